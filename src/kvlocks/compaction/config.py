@@ -1,0 +1,144 @@
+"""Validated, frozen configuration for Attention-Matching compaction and the bias fold.
+
+Every field is keyword-only; an invalid value raises ``ValueError`` naming the field, the value
+and what is allowed, so a typo never turns into a silently different experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+METHODS = ("am", "fold", "drop", "drop_refit", "rank1", "merge_fold")
+SELECTIONS = ("attention", "omp")
+ROUND_DTYPES = ("bfloat16", "float16", "float32")
+BIAS_SOLVERS = ("bvls", "trf")
+
+
+def _fail(name: str, value, allowed: str) -> None:
+    raise ValueError(f"CompactionConfig.{name}={value!r}: {allowed}")
+
+
+def _check_real(name: str, value, low: float | None = None, high: float | None = None,
+                *, low_open: bool = False) -> None:
+    """Finite int/float within [low, high] (or (low, high] when ``low_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(name, value, "must be a finite number")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        lo = "-inf" if low is None else f"{low}"
+        hi = "+inf" if high is None else f"{high}"
+        _fail(name, value, f"must be in {'(' if low_open else '['}{lo}, {hi}]")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, value, "must be an integer")
+    if value < low:
+        _fail(name, value, f"must be an integer >= {low}")
+
+
+def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        _fail(name, value, f"allowed {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompactionConfig:
+    """Configuration of one compaction run (same for every layer and KV head).
+
+    Parameters
+    ----------
+    ratio : float
+        Fraction of keys kept per KV head, 0 < ratio <= 1. The budget is
+        ``t = max(1, round(ratio * T))`` (see :meth:`budget`); an explicit ``t`` passed to
+        :func:`~kvlocks.compaction.compact_head` overrides it. Default 0.1.
+    method : str
+        ``"am"`` (keep beta: needs a bias-aware kernel), ``"fold"`` (beta folded into the keys),
+        ``"drop"`` (AM's keys and values, beta discarded), ``"drop_refit"`` (beta discarded,
+        values refit without bias), ``"rank1"`` (beta as an extra key coordinate, head dim D+1),
+        ``"merge_fold"`` (near-duplicate keys merged with bias log(count), then folded).
+    selection : str
+        Key selection: ``"attention"`` (RMS softmax weight over reference queries) or ``"omp"``
+        (greedy non-negative matching pursuit on the partition functions).
+    beta_min, beta_max : float
+        Box for the fitted bias; beta_min < beta_max. Default [-3, 3] as in AM.
+    fold_lambda : float
+        Ridge of the fold direction, lambda = fold_lambda * tr(Sigma) / D; >= 0. Default 1e-2.
+    max_queries : int
+        Cap on reference queries per head; more are subsampled without replacement. >= 1.
+    seed : int
+        Seed of that subsample (the same rows are used for every head). >= 0.
+    ridge : float
+        Relative ridge of the value least squares: ridge * (mean diagonal of P^T P); >= 0.
+    merge_threshold : float
+        Cosine similarity at or above which a dropped key is merged into a kept key
+        (``"merge_fold"``); in [-1, 1]. Default 0.98.
+    round_dtype : str
+        Storage dtype the folded keys are rounded to (then returned as float32):
+        ``"bfloat16"`` (default), ``"float16"`` or ``"float32"`` (no rounding).
+    bias_solver : str
+        ``scipy.optimize.lsq_linear`` method for the box-constrained bias fit: ``"bvls"``
+        (exact active set; default) or ``"trf"`` (interior, faster for large t).
+    """
+
+    ratio: float = 0.1
+    method: str = "fold"
+    selection: str = "attention"
+    beta_min: float = -3.0
+    beta_max: float = 3.0
+    fold_lambda: float = 1e-2
+    max_queries: int = 4096
+    seed: int = 0
+    ridge: float = 1e-6
+    merge_threshold: float = 0.98
+    round_dtype: str = "bfloat16"
+    bias_solver: str = "bvls"
+
+    def __post_init__(self) -> None:
+        _check_real("ratio", self.ratio, 0.0, 1.0, low_open=True)
+        _check_choice("method", self.method, METHODS)
+        _check_choice("selection", self.selection, SELECTIONS)
+        _check_real("beta_min", self.beta_min)
+        _check_real("beta_max", self.beta_max)
+        if self.beta_min >= self.beta_max:
+            _fail("beta_max", self.beta_max, f"must be > beta_min={self.beta_min}")
+        _check_real("fold_lambda", self.fold_lambda, 0.0)
+        _check_int("max_queries", self.max_queries, 1)
+        _check_int("seed", self.seed, 0)
+        _check_real("ridge", self.ridge, 0.0)
+        _check_real("merge_threshold", self.merge_threshold, -1.0, 1.0)
+        _check_choice("round_dtype", self.round_dtype, ROUND_DTYPES)
+        _check_choice("bias_solver", self.bias_solver, BIAS_SOLVERS)
+
+    def budget(self, num_tokens: int) -> int:
+        """Keys kept out of ``num_tokens``: ``max(1, round(ratio * num_tokens))``."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens={num_tokens}: must be >= 1 to compute a budget")
+        return min(num_tokens, max(1, round(self.ratio * num_tokens)))
+
+    def replace(self, **changes) -> "CompactionConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CompactionConfig":
+        """Parse :meth:`to_json` output; unknown fields are an error, not ignored."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"CompactionConfig JSON is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"CompactionConfig JSON must be an object, got {type(data).__name__}")
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ValueError(
+                f"CompactionConfig JSON has unknown fields {unknown}; allowed {sorted(allowed)}")
+        return cls(**data)

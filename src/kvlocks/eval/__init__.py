@@ -1,0 +1,1 @@
+"""Evaluation: decode loops, the demo, (later) task generators, metrics and runners."""

