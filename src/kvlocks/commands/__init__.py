@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvlocks`` CLI: each module has ``add_parser(subparsers)``."""
