@@ -6,9 +6,9 @@ and what is allowed, so a typo never turns into a silently different experiment.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
+
+from kvlocks._config_io import ConfigIO
 
 COMBINE_RULES = ("mean_share", "max_share", "sum_mass")
 BASIS_BITS = (2, 4, 8, 16)
@@ -24,7 +24,7 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LocksConfig:
+class LocksConfig(ConfigIO):
     """Configuration of LOCKS page summaries, scoring and selection.
 
     Parameters
@@ -86,25 +86,3 @@ class LocksConfig:
     def pages_per_step(self) -> int:
         """k: pages attended per (layer, KV head) at one decode step."""
         return self.budget // self.page_size
-
-    def replace(self, **changes) -> "LocksConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "LocksConfig":
-        """Parse :meth:`to_json` output; unknown fields are an error, not ignored."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"LocksConfig JSON is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"LocksConfig JSON must be an object, got {type(data).__name__}")
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise ValueError(f"LocksConfig JSON has unknown fields {unknown}; allowed {sorted(allowed)}")
-        return cls(**data)

@@ -6,10 +6,10 @@ and what is allowed, so a typo never turns into a silently different experiment.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
+
+from kvlocks._config_io import ConfigIO
 
 METHODS = ("am", "fold", "drop", "drop_refit", "rank1", "merge_fold")
 SELECTIONS = ("attention", "omp")
@@ -47,7 +47,7 @@ def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompactionConfig:
+class CompactionConfig(ConfigIO):
     """Configuration of one compaction run (same for every layer and KV head).
 
     Parameters
@@ -119,26 +119,3 @@ class CompactionConfig:
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens}: must be >= 1 to compute a budget")
         return min(num_tokens, max(1, round(self.ratio * num_tokens)))
-
-    def replace(self, **changes) -> "CompactionConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "CompactionConfig":
-        """Parse :meth:`to_json` output; unknown fields are an error, not ignored."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"CompactionConfig JSON is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"CompactionConfig JSON must be an object, got {type(data).__name__}")
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise ValueError(
-                f"CompactionConfig JSON has unknown fields {unknown}; allowed {sorted(allowed)}")
-        return cls(**data)
