@@ -87,6 +87,26 @@ class PagedLayerStore:
         self.summaries = new if self.summaries is None else self.summaries.cat(new)
         self.build_calls += 1
 
+    def fork(self, config: LocksConfig, *, build: bool) -> "PagedLayerStore":
+        """An independent copy (K/V cloned) for another method or config.
+
+        Summaries are shared when the summary settings match (they are never modified in place:
+        appends concatenate), rebuilt from the keys when they differ, dropped when not needed.
+        """
+        new = PagedLayerStore(config, build=build)
+        if self._k is not None:
+            new._k, new._v = self._k.clone(), self._v.clone()
+            new.length = self.length
+        same = self.summaries is not None and all(
+            getattr(config, f) == getattr(self.config, f) for f in ("page_size", "rank", "basis_bits", "coef_bits")
+        )
+        if build:
+            if same:
+                new.summaries = self.summaries
+            elif new.length:
+                new._build_new_pages()
+        return new
+
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens (and the summaries of pages still full)."""
         self.length = min(self.length, length)

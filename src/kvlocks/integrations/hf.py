@@ -22,7 +22,8 @@ from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.stats import DecodeStats
-from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
+from kvlocks.selection.oracle_per_head import distinct_pages, sparse_decode_per_head
+from kvlocks.selection.selectors import LayerView, Selector, choose_pages, get_selector
 
 ATTN_NAME = "kvlocks"
 METHODS = ("full",)  # plus every registered selector name, see method_names()
@@ -87,10 +88,17 @@ class LocksLayer(DynamicLayer):
         hkv = key.shape[1]
         q = query[:, :, 0, :].reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
         token_mask = _token_mask(attention_mask, key)
-        view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling)
-        pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K]
-        out, _ = sparse_decode(q, key, value, pages, self.owner.config.page_size, scale=scaling, token_mask=token_mask)
-        self.owner.record(self.layer_idx, key, pages.shape[-1])
+        view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling,
+                         layer=self.layer_idx)
+        pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K] ([B, Hkv, G, K] per head)
+        s = self.owner.config.page_size
+        if getattr(self.owner.selector, "per_head", False):  # each query head reads its own pages
+            out, _ = sparse_decode_per_head(q, key, value, pages, s, scale=scaling, token_mask=token_mask)
+            read = distinct_pages(pages, -(-key.shape[2] // s))
+        else:
+            out, _ = sparse_decode(q, key, value, pages, s, scale=scaling, token_mask=token_mask)
+            read = pages.shape[-1]
+        self.owner.record(self.layer_idx, key, read)
         return out.reshape(b, hq, d).unsqueeze(1)
 
 
@@ -111,23 +119,34 @@ class LocksCache(Cache):
     Parameters
     ----------
     model_config : the model's ``PretrainedConfig`` (for the number of layers)
-    method : ``"full"`` (dense attention) or a selector name (``"locks"``, ``"oracle"``, ...)
+    method : ``"full"`` (dense attention), a selector name (``"locks"``, ``"oracle"``, ...) or a
+        selector instance (e.g. ``LokiSelector(calibration)``, ``QuestSelector(bits=8)``)
     config : LocksConfig
     """
 
-    def __init__(self, model_config, *, method: str = "locks", config: LocksConfig | None = None) -> None:
-        if method not in method_names():
-            raise ValueError(f"method={method!r}: allowed {method_names()}")
+    def __init__(self, model_config, *, method: "str | Selector" = "locks", config: LocksConfig | None = None) -> None:
+        if isinstance(method, str):
+            if method not in method_names():
+                raise ValueError(f"method={method!r}: allowed {method_names()}")
+            self.selector = None if method == "full" else get_selector(method)
+        elif callable(getattr(method, "page_scores", None)):
+            self.selector = method
+            method = method.name
+        else:
+            raise ValueError(f"method={method!r}: allowed {method_names()} or a selector instance")
         self.method = method
         self.config = config or LocksConfig()
-        self.selector = None if method == "full" else get_selector(method)
         self.stats = DecodeStats()
         text = model_config.get_text_config(decoder=True)
         n_layers = text.num_hidden_layers
         super().__init__(layers=[LocksLayer(self, i) for i in range(n_layers)])
 
-    def record(self, layer: int, key: torch.Tensor, pages: int) -> None:
-        """Add one layer's decode step to the byte accounting (per sequence, all KV heads)."""
+    def record(self, layer: int, key: torch.Tensor, pages: float) -> None:
+        """Add one layer's decode step to the byte accounting (per sequence, all KV heads).
+
+        ``pages``: pages read per KV head (for a per-head selector, the mean number of distinct
+        pages its G query heads select).
+        """
         hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
         s = self.config.page_size
         total = -(-n // s)
@@ -139,6 +158,8 @@ class LocksCache(Cache):
             sel = 0.0
         elif self.selector.reads_all_keys:
             sel = hkv * n * d * elem
+        elif hasattr(self.selector, "selection_bytes"):  # a baseline with its own resident summary
+            sel = hkv * self.selector.selection_bytes(self.config, d, elem, n // s)
         else:
             payload, scales = self.layers[layer].store.summaries.bytes_per_page()
             sel = hkv * (n // s) * (payload + scales)

@@ -3,6 +3,11 @@
 A selector maps a decode step's queries and one layer's cache state to per-head page scores
 ``[..., G, Pc]`` over the full pages; :func:`choose_pages` then applies the configured GQA
 combine rule and the sink + recent + top-(k-2) rule.
+
+Registered selectors (one module each): ``locks``, ``oracle`` (here), ``oracle_per_head``,
+``quest``, ``loki``, ``shadowkv``, ``centroid``, ``streaming``, ``random``. Registry instances use
+each selector's defaults; to use other settings (a Loki calibration, a rank, a seed), pass an
+instance instead of a name, e.g. ``LocksCache(model.config, method=LokiSelector(calib))``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,14 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages_from_summaries
+from kvlocks.selection._common import page_mask
+from kvlocks.selection.centroid import CentroidSelector
+from kvlocks.selection.loki import LokiSelector
+from kvlocks.selection.oracle_per_head import OraclePerHeadSelector
+from kvlocks.selection.quest import QuestSelector
+from kvlocks.selection.random_sel import RandomSelector
+from kvlocks.selection.shadowkv import ShadowKVSelector
+from kvlocks.selection.streaming import StreamingSelector
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.types import PageSummaries
 
@@ -26,15 +39,32 @@ class LayerView:
     summaries : PageSummaries of the ``N // S`` full pages, or ``None``
     token_mask : bool ``[..., N]`` (True = real token) or ``None`` (no padding)
     scale : softmax scale of the model (``1/sqrt(D)`` for most models)
+    layer : index of the layer in the model, or ``None`` (selectors with per-layer state, such as
+        Loki's calibration, need it; the HF decode path sets it)
     """
 
     keys: torch.Tensor
     summaries: PageSummaries | None
     token_mask: torch.Tensor | None
     scale: float
+    layer: int | None = None
 
 
 class Selector(Protocol):
+    """What every selector provides.
+
+    ``needs_summaries``: the cache must build LOCKS :class:`PageSummaries` for it.
+    ``reads_all_keys``: scoring reads every key (byte accounting counts all keys).
+
+    Optional members:
+
+    - ``per_head`` (default False): each query head selects its own pages; :func:`choose_pages`
+      then returns ``[..., G, K]`` (see :mod:`kvlocks.selection.oracle_per_head`);
+    - ``bytes_per_page(config, head_dim, elem_size) -> (payload, scales)`` and
+      ``selection_bytes(config, head_dim, elem_size, full_pages) -> float``: the bytes a selector
+      with its own resident summary reads per page and per step (one KV head).
+    """
+
     name: str
     needs_summaries: bool
     reads_all_keys: bool
@@ -44,9 +74,7 @@ class Selector(Protocol):
 
 
 def _page_mask(view: LayerView, page_size: int, pc: int) -> torch.Tensor | None:
-    if view.token_mask is None:
-        return None
-    return view.token_mask[..., : pc * page_size].unflatten(-1, (pc, page_size))  # [..., Pc, S]
+    return page_mask(view.token_mask, page_size, pc)  # [..., Pc, S] or None
 
 
 class LocksSelector:
@@ -78,7 +106,13 @@ class OracleSelector:
         )
 
 
-SELECTORS: dict[str, Selector] = {s.name: s for s in (LocksSelector(), OracleSelector())}
+SELECTORS: dict[str, Selector] = {
+    s.name: s
+    for s in (
+        LocksSelector(), OracleSelector(), OraclePerHeadSelector(), QuestSelector(), LokiSelector(),
+        ShadowKVSelector(), CentroidSelector(), StreamingSelector(), RandomSelector(),
+    )
+}
 
 
 def get_selector(name: str) -> Selector:
@@ -89,19 +123,28 @@ def get_selector(name: str) -> Selector:
 
 
 def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, selector: Selector) -> torch.Tensor:
-    """Pages to attend at this step: int64 ``[..., K]`` ascending, ``K = min(k, total pages)``."""
+    """Pages to attend at this step: int64 ``[..., K]`` ascending, ``K = min(k, total pages)``.
+
+    For a ``per_head`` selector, each query head ranks its own scores (no combine rule) and the
+    result is int64 ``[..., G, K]``.
+    """
     n = view.keys.shape[-2]
     s = config.page_size
     pc, total = n // s, -(-n // s)
+    per_head = getattr(selector, "per_head", False)
+    lead = queries.shape[:-1] if per_head else queries.shape[:-2]  # [..., G] or [...]
     sink_start = None
     if pc == 0:
-        ranking = queries.new_zeros((*queries.shape[:-2], 0), dtype=torch.float32)
+        ranking = queries.new_zeros((*lead, 0), dtype=torch.float32)
+    elif per_head:
+        ranking = selector.page_scores(queries, view, config)  # [..., G, Pc]
     else:
         scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
         ranking = combine_group(scores, config.combine)  # [..., Pc]
         ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
     if view.token_mask is not None:
         sink_start = view.token_mask.float().argmax(dim=-1) // s  # first real token's page
+        sink_start = sink_start.unsqueeze(-1).expand(lead) if per_head else sink_start
     return select_top_pages(
         ranking, total, config.pages_per_step,
         sink_pages=config.sink_pages, recent_pages=config.recent_pages, sink_start=sink_start,

@@ -1,0 +1,235 @@
+"""Sink + recent + top-(k - forced) page selection without a sort, in Triton.
+
+Two launches, grid sizes fixed by the plan (no host sync, graph-capturable):
+
+1. ``_chunk_kernel``, grid ``(chunks, B * Hkv)``: each program takes CH consecutive pages of a
+   row, maps each ranking to an order-preserving uint32 key and finds its chunk's top-m by a radix
+   select (eight 4-bit digits, a 32-bin ``tl.histogram`` per digit: no sort). Ties at the
+   threshold go to the lower page index (a prefix count over the tied pages). It writes the at
+   most m winners, in page order, plus their count. Any global top-m page is in its chunk's top-m.
+2. ``_merge_kernel``, grid ``(B * Hkv,)``: the same radix select over all chunks' winners (at
+   most ``chunks * M`` keys, read tile by tile), then a prefix-count compaction that writes the
+   m winners and the forced pages straight to their ascending positions in the output.
+
+Output: int32 ``[B, Hkv, K]`` logical page ids in ascending order; a row with at most K pages
+lists them all and pads with -1. Same choice as :func:`kvlocks.selection.topk.select_top_pages`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 2048  # pages per stage-1 program (1M tokens at S=16: 32 programs per row)
+
+
+@triton.jit
+def _orderkey(x):
+    """float32 -> uint32 with the same order (-0.0 folded onto +0.0: torch ranks them as equal)."""
+    u = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
+    return tl.where((u >> 31) != 0, ~u, u | 0x80000000)
+
+
+@triton.jit
+def _forced(n, ss, S: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Page count and the forced ranges [s_lo, s_hi) (sink) and [r_lo, r_hi) (recent)."""
+    total = (n + S - 1) // S
+    s_lo = tl.minimum(ss, total)
+    s_hi = tl.minimum(ss + SINK, total)
+    r_lo = tl.maximum(total - RECENT, 0)
+    overlap = tl.maximum(tl.minimum(s_hi, total) - tl.maximum(s_lo, r_lo), 0)
+    f = (s_hi - s_lo) + (total - r_lo) - overlap
+    return total, s_lo, s_hi, r_lo, f
+
+
+@triton.jit
+def _below(x, s_lo, s_hi, r_lo, total):
+    """Number of forced pages with index < x (elementwise)."""
+    a = tl.minimum(tl.maximum(x - s_lo, 0), s_hi - s_lo)
+    c = tl.minimum(tl.maximum(x - r_lo, 0), total - r_lo)
+    o_lo = tl.maximum(s_lo, r_lo)
+    o = tl.minimum(tl.maximum(x - o_lo, 0), tl.maximum(s_hi - o_lo, 0))
+    return a + c - o
+
+
+@triton.jit
+def _pick_digit(hist, remaining):
+    """Digit d* holding the remaining-th largest key, and how many keys lie in higher digits."""
+    d = tl.arange(0, 32)
+    h = tl.where(d < 16, hist, 0)
+    ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
+    dstar = tl.max(tl.where((ge >= remaining) & (d < 16), d, -1), axis=0)
+    above = tl.sum(tl.where(d > dstar, h, 0), axis=0)
+    return dstar, above
+
+
+@triton.jit
+def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, Hkv,
+                  n_chunks, S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+                  CH: tl.constexpr, M: tl.constexpr, HAS_SS: tl.constexpr):
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // Hkv
+    h = row % Hkv
+    n = tl.load(seqlen_ptr + b)
+    ss = tl.load(ss_ptr + b) if HAS_SS else 0
+    total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
+    offs = c * CH + tl.arange(0, CH)
+    forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
+    valid = (offs < n // S) & ~forced & (total > K)
+    x = tl.load(rank_ptr + b.to(tl.int64) * stride_rb + h * stride_rh + offs, mask=valid, other=0.0)
+    key = _orderkey(x)
+    need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
+    remaining = tl.maximum(need, 1)
+    prefix = tl.full([], 0, tl.uint32)
+    for i in tl.static_range(8):
+        shift: tl.constexpr = 28 - 4 * i
+        hi_mask: tl.constexpr = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF
+        match = valid & ((key & hi_mask) == prefix)
+        bins = tl.where(match, ((key >> shift) & 15).to(tl.int32), 16)
+        dstar, above = _pick_digit(tl.histogram(bins, 32), remaining)
+        remaining -= above
+        prefix = prefix | (dstar.to(tl.uint32) << shift)
+    is_t = valid & (key == prefix)
+    tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
+    sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining))) & (need > 0)
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    base = (row * n_chunks + c).to(tl.int64) * M
+    tl.store(ckey_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=sel)
+    tl.store(cidx_ptr + base + pos, offs, mask=sel)
+    tl.store(ccnt_ptr + row * n_chunks + c, tl.sum(sel.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv, n_chunks,
+                  S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr,
+                  TILE: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, HAS_SS: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // Hkv
+    n = tl.load(seqlen_ptr + b)
+    ss = tl.load(ss_ptr + b) if HAS_SS else 0
+    total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
+    out = out_ptr + row.to(tl.int64) * K
+    if total <= K:  # every page is attended
+        kk = tl.arange(0, KP)
+        tl.store(out + kk, tl.where(kk < total, kk, -1), mask=kk < K)
+    else:
+        n_flat = n_chunks * M
+        base = row.to(tl.int64) * n_flat
+        remaining = tl.maximum(K - f, 1)
+        prefix = tl.full([], 0, tl.uint32)
+        for i in tl.static_range(8):
+            shift: tl.constexpr = 28 - 4 * i
+            hi_mask: tl.constexpr = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF
+            hist = tl.zeros([32], tl.int32)
+            for t0 in range(0, n_flat, TILE):
+                flat = t0 + tl.arange(0, TILE)
+                cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0)
+                valid = (flat % M) < cnt
+                key = tl.load(ckey_ptr + base + flat, mask=valid, other=0).to(tl.uint32, bitcast=True)
+                match = valid & ((key & hi_mask) == prefix)
+                hist += tl.histogram(tl.where(match, ((key >> shift) & 15).to(tl.int32), 16), 32)
+            dstar, above = _pick_digit(hist, remaining)
+            remaining -= above
+            prefix = prefix | (dstar.to(tl.uint32) << shift)
+        # compaction in page order; forced pages get their slots from the counts below them
+        sp = s_lo + tl.arange(0, SP)
+        sp_ok = sp < s_hi
+        rp = r_lo + tl.arange(0, RP)
+        rp_ok = (rp < total) & ~((rp >= s_lo) & (rp < s_hi))
+        below_s = tl.zeros([SP], tl.int32)
+        below_r = tl.zeros([RP], tl.int32)
+        n_ties = tl.full([], 0, tl.int32)
+        n_sel = tl.full([], 0, tl.int32)
+        for t0 in range(0, n_flat, TILE):
+            flat = t0 + tl.arange(0, TILE)
+            cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0)
+            valid = (flat % M) < cnt
+            key = tl.load(ckey_ptr + base + flat, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            idx = tl.load(cidx_ptr + base + flat, mask=valid, other=0)
+            is_t = valid & (key == prefix)
+            tie_rank = n_ties + tl.cumsum(is_t.to(tl.int32), axis=0) - 1
+            sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining)))
+            pos = n_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out + pos + _below(idx, s_lo, s_hi, r_lo, total), idx, mask=sel)
+            below_s += tl.sum((sel[None, :] & (idx[None, :] < sp[:, None])).to(tl.int32), axis=1)
+            below_r += tl.sum((sel[None, :] & (idx[None, :] < rp[:, None])).to(tl.int32), axis=1)
+            n_ties += tl.sum(is_t.to(tl.int32), axis=0)
+            n_sel += tl.sum(sel.to(tl.int32), axis=0)
+        tl.store(out + below_s + _below(sp, s_lo, s_hi, r_lo, total), sp, mask=sp_ok)
+        tl.store(out + below_r + _below(rp, s_lo, s_hi, r_lo, total), rp, mask=rp_ok)
+
+
+def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int = CHUNK) -> dict:
+    """Buffers for :func:`select_pages_paged`, allocated once per plan."""
+    chunk = min(chunk, max(16, triton.next_power_of_2(max_pages)))
+    n_chunks = max(1, -(-max_pages // chunk))
+    m = triton.next_power_of_2(max(k, 1))
+    rows = batch * num_kv_heads
+    i32 = dict(dtype=torch.int32, device=device)
+    return {
+        "chunk": chunk, "n_chunks": n_chunks, "m": m,
+        "keys": torch.empty(rows, n_chunks, m, **i32),  # uint32 order keys, stored bitcast
+        "idx": torch.empty(rows, n_chunks, m, **i32),
+        "count": torch.empty(rows, n_chunks, **i32),
+        "out": torch.empty(batch, num_kv_heads, k, **i32),
+    }
+
+
+def select_pages_paged(ranking: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, k: int,
+                       sink_pages: int = 1, recent_pages: int = 1, sink_start: torch.Tensor | None = None,
+                       workspace: dict | None = None) -> torch.Tensor:
+    """Pages to attend per (sequence, KV head).
+
+    Parameters
+    ----------
+    ranking : float32 ``[B, Hkv, max_pages]`` (last dim contiguous); entry ``p`` is read only for
+        full pages ``p < seq_lens[b] // page_size``
+    seq_lens : int32 ``[B]``; sink_start : int32 ``[B]`` or None (first page of the sink)
+    k : pages per step, sink and recent included (``k >= sink_pages + recent_pages``)
+
+    Returns
+    -------
+    int32 ``[B, Hkv, k]``: ascending logical page ids, padded with -1 when a sequence has fewer
+    than k pages.
+    """
+    bsz, hkv, max_pages = ranking.shape
+    if k < sink_pages + recent_pages or recent_pages < 1:
+        raise ValueError(f"k={k} must be >= sink_pages + recent_pages and recent_pages >= 1")
+    ws = workspace or select_workspace(bsz, hkv, max_pages, k, ranking.device)
+    rows, n_chunks, m = bsz * hkv, ws["n_chunks"], ws["m"]
+    ss = sink_start if sink_start is not None else seq_lens
+    meta = dict(S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, HAS_SS=sink_start is not None)
+    _chunk_kernel[(n_chunks, rows)](
+        ranking, ranking.stride(0), ranking.stride(1), seq_lens, ss, ws["keys"], ws["idx"], ws["count"], hkv,
+        n_chunks, CH=ws["chunk"], M=m, num_warps=8, **meta,
+    )
+    tile = max(m, min(4096, triton.next_power_of_2(n_chunks * m)))
+    _merge_kernel[(rows,)](
+        seq_lens, ss, ws["keys"], ws["idx"], ws["count"], ws["out"], hkv, n_chunks, M=m, TILE=tile,
+        KP=triton.next_power_of_2(k), SP=triton.next_power_of_2(max(sink_pages, 1)),
+        RP=triton.next_power_of_2(recent_pages), num_warps=8, **meta,
+    )
+    return ws["out"]
+
+
+def select_top_pages(ranking: torch.Tensor, total_pages: int, k: int, *, sink_pages: int = 1,
+                     recent_pages: int = 1, sink_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Same as :func:`kvlocks.selection.topk.select_top_pages`: ``[..., Pc]`` -> int64 ``[..., min(k, P)]``."""
+    pc = ranking.shape[-1]
+    if total_pages not in (pc, pc + 1):
+        raise ValueError(f"total_pages={total_pages} must be the candidate count {pc} or {pc + 1}")
+    lead = ranking.shape[:-1]
+    rows = lead.numel()
+    x = ranking.float().reshape(rows, 1, pc).contiguous()
+    if pc == 0:
+        x = torch.zeros(rows, 1, 1, device=ranking.device)
+    # token count consistent with (Pc full pages, total pages): a partial page holds one token
+    n = pc * 16 + (1 if total_pages > pc else 0)
+    seq = torch.full((rows,), n, dtype=torch.int32, device=ranking.device)
+    ss = None if sink_start is None else sink_start.reshape(-1).to(torch.int32).contiguous()
+    out = select_pages_paged(x, seq, page_size=16, k=k, sink_pages=sink_pages,
+                             recent_pages=recent_pages, sink_start=ss)
+    kk = min(k, total_pages)
+    return out[:, 0, :kk].long().reshape(*lead, kk)
