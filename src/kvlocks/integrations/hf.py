@@ -137,9 +137,25 @@ class LocksCache(Cache):
         self.method = method
         self.config = config or LocksConfig()
         self.stats = DecodeStats()
+        self.model_config = model_config
         text = model_config.get_text_config(decoder=True)
         n_layers = text.num_hidden_layers
         super().__init__(layers=[LocksLayer(self, i) for i in range(n_layers)])
+
+    def fork(self, *, method: "str | Selector | None" = None, config: LocksConfig | None = None) -> "LocksCache":
+        """An independent copy of this cache's K/V for another method or config.
+
+        Used to decode every method from one shared prefill. Summaries are reused when their
+        settings match and rebuilt otherwise; the copy's byte accounting starts at zero.
+        """
+        method = (self.selector or "full") if method is None else method
+        new = LocksCache(self.model_config, method=method, config=config or self.config)
+        for src, dst in zip(self.layers, new.layers):
+            dst.store = src.store.fork(new.config, build=dst.store.build)
+            if dst.store.length:
+                dst.lazy_initialization(dst.store.keys, dst.store.values)
+                dst.keys, dst.values = dst.store.keys, dst.store.values
+        return new
 
     def record(self, layer: int, key: torch.Tensor, pages: float) -> None:
         """Add one layer's decode step to the byte accounting (per sequence, all KV heads).

@@ -1,0 +1,125 @@
+"""The task-suite runner: one dense prefill per record, every method x budget decoded from a fork.
+
+For each record the context is prefilled once with full attention (LOCKS summaries built at the
+end of the prefill). ``full`` then decodes the suffix (question, assistant header, answer prefix)
+token by token and generates the reference answer; every other method x budget decodes from a
+fork of the same prefilled cache, so selection acts on the question too. Next-token KL and top-1
+agreement are teacher-forced on full's answer: while a method's greedy tokens equal full's, its
+own path *is* the teacher-forced path; at the first divergence the cache is forked once and the
+fork follows full's tokens.
+
+Results are one JSONL row per record x method x budget; a run resumes by skipping rows whose key
+is already in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvlocks.config import LocksConfig
+from kvlocks.eval.decode import prefill, step
+from kvlocks.eval.metrics import exact_agreement, kl_divergence, prefix_agreement, top1_agreement
+from kvlocks.eval.tasks import TaskRecord, score
+from kvlocks.integrations.hf import LocksCache
+
+
+def row_key(row: dict) -> tuple:
+    return (row["task"], row["length"], row["index"], row["method"], row["budget"])
+
+
+def load_done(path: Path) -> dict[tuple, dict]:
+    """Rows already written (a truncated last line from an interrupted run is ignored)."""
+    done: dict[tuple, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[row_key(row)] = row
+    return done
+
+
+def _answer(model, cache, logits, max_new: int, eos: set[int], ref_tokens: list[int] | None = None):
+    """Greedy answer from ``logits`` (the prediction after the suffix).
+
+    Returns ``(tokens, logps)``: the greedy tokens, and next-token log-probs ``[V]`` per position
+    along full's answer ``ref_tokens`` (teacher-forced), or along the greedy path without one.
+    """
+    tokens: list[int] = []
+    logps: list[torch.Tensor] = []
+    tf_cache, tf_start = None, 0
+    n_ref = 0 if ref_tokens is None else len(ref_tokens)
+    for i in range(max_new):
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        nxt = int(torch.argmax(lp))
+        if ref_tokens is None or (tf_cache is None and i < n_ref):
+            logps.append(lp)  # still on full's path: the greedy path is the teacher-forced one
+            if ref_tokens is not None and nxt != ref_tokens[i]:
+                tf_cache, tf_start = cache.fork(), i  # diverged: a fork follows full's tokens
+        tokens.append(nxt)
+        if nxt in eos or i == max_new - 1:  # no step for a token nothing will read
+            break
+        logits = step(model, cache, nxt)
+    if tf_cache is not None:
+        for j in range(tf_start, n_ref - 1):
+            logps.append(torch.log_softmax(step(model, tf_cache, ref_tokens[j]).float(), dim=-1))
+    return tokens, logps
+
+
+def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConfig, eos: set[int],
+               done: dict, write) -> None:
+    """Decode one record with every method x budget not yet in ``done``; ``write(row)`` each."""
+    todo = [(m, None) for m in methods if m == "full"] + [
+        (m, b) for m in methods if m != "full" for b in budgets
+    ]
+    keys = {(m, b): (record.task, record.length, record.index, m, b) for m, b in todo}
+    if all(keys[x] in done for x in todo):
+        return
+    device = model.device
+    t0 = time.perf_counter()
+    shared = LocksCache(model.config, method="locks", config=base.replace(budget=max(budgets)))
+    ctx_logits = prefill(model, shared, torch.tensor([record.context_ids], device=device))
+    prefill_s = time.perf_counter() - t0
+
+    def decode(method, budget):
+        cache = shared.fork(method=method, config=base.replace(budget=budget or max(budgets)))
+        logits = ctx_logits
+        for t in record.suffix_ids:
+            logits = step(model, cache, t)
+        return cache, logits
+
+    t1 = time.perf_counter()
+    full_cache, logits = decode("full", None)
+    ref_tokens, ref_logp = _answer(model, full_cache, logits, record.max_new_tokens, eos)
+    ref_logp = torch.stack(ref_logp) if ref_logp else None
+    full_s = time.perf_counter() - t1
+    for method, budget in todo:
+        if keys[(method, budget)] in done:
+            continue
+        t1 = time.perf_counter()
+        if method == "full":
+            tokens, cache, kl, top1 = ref_tokens, full_cache, 0.0, 1.0
+        else:
+            cache, logits = decode(method, budget)
+            tokens, logps = _answer(model, cache, logits, record.max_new_tokens, eos, ref_tokens)
+            n = min(len(logps), ref_logp.shape[0])
+            lp = torch.stack(logps[:n])
+            kl = float(kl_divergence(ref_logp[:n], lp).mean())
+            top1 = float(top1_agreement(ref_logp[:n], lp).float().mean())
+        text = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+        row = {
+            "task": record.task, "length": record.length, "index": record.index, "seed": record.seed,
+            "depth": record.depth, "method": method, "budget": budget,
+            "prompt_tokens": len(record.context_ids) + len(record.suffix_ids),
+            **score(record, text), "prediction": text, "references": record.references,
+            "exact_agree": exact_agreement(ref_tokens, tokens), "agree16": prefix_agreement(ref_tokens, tokens, 16),
+            "kl": kl, "top1": top1, "tokens": tokens,
+            "seconds": (time.perf_counter() - t1) + (full_s if method == "full" else 0.0), "prefill_s": prefill_s,
+            **{f"stats_{k}": v for k, v in cache.stats.summary().items()},
+        }
+        write(row)
