@@ -101,9 +101,7 @@ def write_report(rows: list[dict], out: Path, *, config: dict, device: str) -> d
                "n_rows": len(rows), "headline": head, "cells": cells}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "results.md").write_text(markdown(head, cells))
-    try:
-        from kvlocks.eval.plots import plot_all
-        plot_all(rows, cells, out)
-    except ImportError:  # matplotlib is an optional extra
-        pass
+    from kvlocks.eval.plots import plot_all
+
+    plot_all(rows, cells, out)
     return summary
