@@ -73,19 +73,22 @@ def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, 
     b = row // Hkv
     h = row % Hkv
     n = tl.load(seqlen_ptr + b)
-    ss = tl.load(ss_ptr + b) if HAS_SS else 0
+    ss = 0
+    if HAS_SS:
+        ss = tl.load(ss_ptr + b)
     total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
     offs = c * CH + tl.arange(0, CH)
     forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
-    valid = (offs < n // S) & ~forced & (total > K)
+    limit = tl.where(total > K, n // S, 0)  # candidates: full pages, and only if not all pages fit
+    valid = (offs < limit) & ~forced
     x = tl.load(rank_ptr + b.to(tl.int64) * stride_rb + h * stride_rh + offs, mask=valid, other=0.0)
     key = _orderkey(x)
     need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
     remaining = tl.maximum(need, 1)
     prefix = tl.full([], 0, tl.uint32)
     for i in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * i
-        hi_mask: tl.constexpr = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF
+        shift = 28 - 4 * i  # constexpr (static_range)
+        hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
         match = valid & ((key & hi_mask) == prefix)
         bins = tl.where(match, ((key >> shift) & 15).to(tl.int32), 16)
         dstar, above = _pick_digit(tl.histogram(bins, 32), remaining)
@@ -93,7 +96,7 @@ def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, 
         prefix = prefix | (dstar.to(tl.uint32) << shift)
     is_t = valid & (key == prefix)
     tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
-    sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining))) & (need > 0)
+    sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining))) & (tie_rank * 0 < need)
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     base = (row * n_chunks + c).to(tl.int64) * M
     tl.store(ckey_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=sel)
@@ -108,7 +111,9 @@ def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv
     row = tl.program_id(0)
     b = row // Hkv
     n = tl.load(seqlen_ptr + b)
-    ss = tl.load(ss_ptr + b) if HAS_SS else 0
+    ss = 0
+    if HAS_SS:
+        ss = tl.load(ss_ptr + b)
     total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
     out = out_ptr + row.to(tl.int64) * K
     if total <= K:  # every page is attended
@@ -120,8 +125,8 @@ def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv
         remaining = tl.maximum(K - f, 1)
         prefix = tl.full([], 0, tl.uint32)
         for i in tl.static_range(8):
-            shift: tl.constexpr = 28 - 4 * i
-            hi_mask: tl.constexpr = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF
+            shift = 28 - 4 * i  # constexpr (static_range)
+            hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
             hist = tl.zeros([32], tl.int32)
             for t0 in range(0, n_flat, TILE):
                 flat = t0 + tl.arange(0, TILE)

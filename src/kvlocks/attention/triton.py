@@ -1,0 +1,202 @@
+"""Split-KV paged decode over a per-(sequence, KV head) page list, in Triton.
+
+``_attn_kernel``, grid ``(splits, B * Hkv)``: one program holds all G query heads of its KV head
+(padded to GP = 16 rows, the smallest ``tl.dot`` M), walks its share of the page list
+``PPI`` pages (``PPI * S`` tokens) at a time, translates logical page ids through the block table,
+masks tokens past ``seq_lens`` (the partial last page) and ids of -1 (list padding), and keeps an
+online softmax in float32 (exp2 domain). ``_merge_kernel``, grid ``(B * Hq,)``, combines the
+splits by log-sum-exp. The dense split-KV baseline is the same kernel over the identity page list
+(a stride-0 ``arange``), so the two differ only in which pages they read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlocks.cache.layout import dot_dtype, token_major_to_paged
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# kernels may read module globals only when they are constexpr
+_LN2 = tl.constexpr(LN2)
+_LOG2E = tl.constexpr(LOG2E)
+PPI = 4  # pages per inner step: 64 tokens at S=16, a [16, 64] x [64, D] dot per step
+
+
+@triton.jit
+def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, bt_ptr, stride_bt,
+                 seqlen_ptr, pl_ptr, stride_lb, stride_lh, n_list, po_ptr, plse_ptr, Hkv, G, n_splits,
+                 pages_per_split, qk_scale, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PP: tl.constexpr,
+                 DOT_DT: tl.constexpr, PRECISION: tl.constexpr):
+    split = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // Hkv
+    h = row % Hkv
+    n = tl.load(seqlen_ptr + b)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None],
+                other=0.0).to(DOT_DT)  # [GP, D]
+    t = tl.arange(0, PP * S)
+    slot = t // S
+    tok = t % S
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    start = split * pages_per_split
+    end = tl.minimum(start + pages_per_split, n_list)
+    lst = pl_ptr + b.to(tl.int64) * stride_lb + h * stride_lh
+    btr = bt_ptr + b.to(tl.int64) * stride_bt
+    # page ids one step ahead: the index loads of step j+1 overlap the K/V loads of step j
+    lp = tl.load(lst + start + slot, mask=start + slot < end, other=-1)  # logical page of each token row
+    phys = tl.load(btr + lp, mask=lp >= 0, other=0).to(tl.int64)
+    for j0 in range(start, end, PP):
+        valid = (lp >= 0) & (lp * S + tok < n)
+        off = phys * stride_kp + tok * stride_ks + h * stride_kh  # [PP * S]
+        k = tl.load(k_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(DOT_DT)
+        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(DOT_DT)
+        nxt = j0 + PP + slot
+        lp = tl.load(lst + nxt, mask=nxt < end, other=-1)
+        phys = tl.load(btr + lp, mask=lp >= 0, other=0).to(tl.int64)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GP, PP * S]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(DOT_DT), v, acc=acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    r = (b * Hkv * G + h * G + g).to(tl.int64) * n_splits + split  # [GP] partial-row index
+    tl.store(po_ptr + r[:, None] * D + d[None, :], out, mask=gmask[:, None])
+    tl.store(plse_ptr + r, lse2, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, Hq, n_splits, D: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    r = tl.program_id(0)  # b * Hq + head
+    b = r // Hq
+    hq = r % Hq
+    d = tl.arange(0, D)
+    m_all = tl.full([], float("-inf"), tl.float32)
+    l_all = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        sm = s < n_splits
+        ls = tl.load(plse_ptr + r.to(tl.int64) * n_splits + s, mask=sm, other=float("-inf"))
+        o = tl.load(po_ptr + (r.to(tl.int64) * n_splits + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+        m_new = tl.maximum(m_all, tl.max(ls, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(ls - m_safe)
+        alpha = tl.exp2(m_all - m_safe)
+        l_all = l_all * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m_all = m_new
+    has = l_all > 0.0
+    out = acc / tl.where(has, l_all, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + r, tl.where(has, (m_all + tl.log2(tl.where(has, l_all, 1.0))) * _LN2, float("-inf")))
+
+
+def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: int, rows: int, dtype, device,
+                        num_splits: int | None = None, ppi: int = PPI) -> dict:
+    """Buffers for :func:`paged_decode`: float32 partials ``[B, Hq, splits, D]``, outputs."""
+    device = torch.device(device)
+    if num_splits is None:  # about 4 programs per SM, at least PPI pages each
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        num_splits = max(1, min(-(-list_len // ppi), -(-4 * sms // max(rows, 1))))
+    pps = -(-(-(-list_len // num_splits)) // ppi) * ppi  # pages per split, a multiple of ppi
+    num_splits = max(1, -(-list_len // pps))
+    return {
+        "splits": num_splits, "pps": pps, "ppi": ppi,
+        "po": torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+        "plse": torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device),
+        "out": torch.empty(batch, num_q_heads, head_dim, dtype=dtype, device=device),
+        "lse": torch.empty(batch, num_q_heads, dtype=torch.float32, device=device),
+    }
+
+
+def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, page_list: torch.Tensor, *, scale: float | None = None,
+                 workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of one decode query per head over the listed pages.
+
+    Parameters
+    ----------
+    queries : ``[B, Hq, D]`` (last dim contiguous), Hq = Hkv * G, head ``h * G + g``
+    k_cache, v_cache : ``[num_pages, S, Hkv, D]`` (same strides, last dim contiguous)
+    block_table : int32 ``[B, max_pages]``; seq_lens : int32 ``[B]``
+    page_list : int32 ``[B, Hkv, L]`` logical page ids (any order, distinct; -1 = skip); strides
+        may be 0 (the dense baseline passes a broadcast ``arange``)
+
+    Returns
+    -------
+    out : ``[B, Hq, D]`` in the queries' dtype; lse : float32 ``[B, Hq]`` (natural log)
+    """
+    bsz, hq, d = queries.shape
+    _, s, hkv, _ = k_cache.shape
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or queries.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need equal strides and a contiguous last dim")
+    g = hq // hkv
+    n_list = page_list.shape[-1]
+    ws = workspace or attention_workspace(bsz, hq, d, n_list, bsz * hkv, queries.dtype, queries.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    dt = dot_dtype(k_cache.dtype)
+    _attn_kernel[(ws["splits"], bsz * hkv)](
+        queries, queries.stride(0), queries.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_table, block_table.stride(0), seq_lens, page_list, page_list.stride(0),
+        page_list.stride(1), n_list, ws["po"], ws["plse"], hkv, g, ws["splits"], ws["pps"], scale * LOG2E,
+        GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=ws.get("ppi", PPI), DOT_DT=dt,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        **ws.get("launch", {"num_warps": 4, "num_stages": 3}),
+    )
+    out, lse = ws["out"], ws["lse"]
+    _merge_kernel[(bsz * hq,)](ws["po"], ws["plse"], out, out.stride(0), out.stride(1), lse, hq, ws["splits"],
+                               D=d, BLOCK_S=32, num_warps=4)
+    return out, lse
+
+
+def identity_pages(batch: int, num_kv_heads: int, max_pages: int, device) -> torch.Tensor:
+    """The dense page list: ``[B, Hkv, max_pages]`` view of one ``arange`` (strides 0, 0, 1)."""
+    return torch.arange(max_pages, dtype=torch.int32, device=device).expand(batch, num_kv_heads, max_pages)
+
+
+# ---- adapters with the reference signatures (token-major keys/values) ----
+
+def _as_paged(queries, keys, values, page_size):
+    lead, (g, d), n = queries.shape[:-2], queries.shape[-2:], keys.shape[-2]
+    rows = lead.numel()
+    kc, table = token_major_to_paged(keys.reshape(rows, n, d), page_size)
+    vc, _ = token_major_to_paged(values.reshape(rows, n, d), page_size)
+    seq = torch.full((rows,), n, dtype=torch.int32, device=keys.device)
+    return queries.reshape(rows, g, d).contiguous(), kc, vc, table, seq, lead
+
+
+def sparse_decode(queries, keys, values, page_ids, page_size, *, scale=None, token_mask=None):
+    """Same as :func:`kvlocks.attention.reference.sparse_decode` (no ``token_mask``)."""
+    if token_mask is not None:
+        raise NotImplementedError("token_mask: use the torch backend (the paged layout has no padding)")
+    q, kc, vc, table, seq, lead = _as_paged(queries, keys, values, page_size)
+    pl = page_ids.reshape(q.shape[0], 1, -1).to(torch.int32).contiguous()
+    out, lse = paged_decode(q, kc, vc, table, seq, pl, scale=scale)
+    return out.reshape(queries.shape).clone(), lse.reshape(queries.shape[:-1]).clone()
+
+
+def dense_decode(queries, keys, values, *, scale=None, token_mask=None):
+    """Same as :func:`kvlocks.attention.reference.dense_decode`: split-KV over every page."""
+    if token_mask is not None:
+        raise NotImplementedError("token_mask: use the torch backend (the paged layout has no padding)")
+    q, kc, vc, table, seq, lead = _as_paged(queries, keys, values, page_size=16)
+    pl = identity_pages(q.shape[0], 1, table.shape[1], q.device)
+    out, lse = paged_decode(q, kc, vc, table, seq, pl, scale=scale)
+    return out.reshape(queries.shape).clone(), lse.reshape(queries.shape[:-1]).clone()

@@ -1,0 +1,1 @@
+"""Benchmarks: kernel timings (``kernels``) and end-to-end runs."""

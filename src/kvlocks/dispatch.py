@@ -1,0 +1,174 @@
+"""Backend dispatch for the paged decode path, and the plan/run step object.
+
+Every function takes ``backend="torch" | "triton" | None``; None picks Triton for CUDA tensors and
+the PyTorch references otherwise. The torch backend gathers each sequence's pages into the
+reference layout and calls the reference functions (the spec), one sequence at a time: it is
+for the CPU and for checking, not for speed. Shapes and the layout: ``docs/layout.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
+from kvlocks.config import LocksConfig
+from kvlocks.cache.layout import PagedSummaries, check_kernel_config, paged_to_token_major
+from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
+from kvlocks.selection.topk import select_top_pages
+from kvlocks.summary.build import build_summaries
+
+BACKENDS = ("torch", "triton")
+
+
+def resolve_backend(backend: str | None, device) -> str:
+    """``"triton"`` for CUDA tensors, ``"torch"`` otherwise, unless given explicitly."""
+    if backend is None:
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: allowed {BACKENDS} or None")
+    return backend
+
+
+def score_pages(queries, summaries: PagedSummaries, block_table, seq_lens, *, scale=None, combine="mean_share",
+                backend=None, workspace=None):
+    """Eq. 4 scores ``[B, Hkv, G, max_pages]``, per-head LSE ``[B, Hkv, G]`` and the combined
+    ranking ``[B, Hkv, max_pages]`` (float32; entries past each sequence's full pages undefined)."""
+    if resolve_backend(backend, queries.device) == "triton":
+        from kvlocks.scoring.triton import score_pages_paged
+
+        return score_pages_paged(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
+                                 workspace=workspace)
+    bsz, hq, d = queries.shape
+    hkv = summaries.num_kv_heads
+    g, max_pages, s = hq // hkv, block_table.shape[1], summaries.page_size
+    scores = torch.full((bsz, hkv, g, max_pages), float("-inf"), device=queries.device)
+    lse = torch.full((bsz, hkv, g), float("-inf"), device=queries.device)
+    ranking = torch.full((bsz, hkv, max_pages), float("-inf"), device=queries.device)
+    for b in range(bsz):
+        pc = int(seq_lens[b]) // s
+        if pc == 0:
+            continue
+        ps = summaries.gather(block_table[b, :pc])  # leading dims [Hkv]
+        sc = score_pages_from_summaries(queries[b].view(hkv, g, d), ps, scale=scale)  # [Hkv, G, Pc]
+        scores[b, :, :, :pc] = sc
+        lse[b] = torch.logsumexp(sc, dim=-1)
+        ranking[b, :, :pc] = combine_group(sc, combine)
+    return scores, lse, ranking
+
+
+def select_pages(ranking, seq_lens, *, page_size, k, sink_pages=1, recent_pages=1, sink_start=None, backend=None,
+                 workspace=None):
+    """int32 ``[B, Hkv, k]`` ascending logical page ids per (sequence, KV head), -1 padded."""
+    if resolve_backend(backend, ranking.device) == "triton":
+        from kvlocks.selection.triton import select_pages_paged
+
+        return select_pages_paged(ranking, seq_lens, page_size=page_size, k=k, sink_pages=sink_pages,
+                                  recent_pages=recent_pages, sink_start=sink_start, workspace=workspace)
+    bsz, hkv, _ = ranking.shape
+    out = torch.full((bsz, hkv, k), -1, dtype=torch.int32, device=ranking.device)
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        pc, total = n // page_size, -(-n // page_size)
+        ss = None if sink_start is None else sink_start[b].long().expand(hkv)
+        ids = select_top_pages(ranking[b, :, :pc], total, k, sink_pages=sink_pages, recent_pages=recent_pages,
+                               sink_start=ss)
+        out[b, :, : ids.shape[-1]] = ids.to(torch.int32)
+    return out
+
+
+def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *, scale=None, backend=None,
+                 workspace=None):
+    """Attention over the listed pages: ``out [B, Hq, D]`` (queries' dtype), ``lse [B, Hq]`` float32."""
+    if resolve_backend(backend, queries.device) == "triton":
+        from kvlocks.attention.triton import paged_decode as tri
+
+        return tri(queries, k_cache, v_cache, block_table, seq_lens, page_list, scale=scale, workspace=workspace)
+    bsz, hq, d = queries.shape
+    hkv = k_cache.shape[2]
+    g, s = hq // hkv, k_cache.shape[1]
+    out = torch.empty_like(queries)
+    lse = torch.empty(bsz, hq, device=queries.device)
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        keys = paged_to_token_major(k_cache, block_table[b], n)  # [Hkv, n, D]
+        values = paged_to_token_major(v_cache, block_table[b], n)
+        ids = page_list[b].long()
+        ids = ids[:, : int((ids[0] >= 0).sum())]  # -1 padding is shared by the heads of a sequence
+        o, l = ref_sparse_decode(queries[b].view(hkv, g, d), keys, values, ids, s, scale=scale)
+        out[b], lse[b] = o.reshape(hq, d), l.reshape(hq)
+    return out, lse
+
+
+def build_pages(k_cache, summaries: PagedSummaries, page_ids, config: LocksConfig, *, backend=None):
+    """Build the summaries of physical pages ``page_ids [N]`` (all KV heads) into ``summaries``."""
+    check_kernel_config(config, k_cache.shape[-1])
+    if resolve_backend(backend, k_cache.device) == "triton":
+        from kvlocks.summary.triton import build_pages as tri
+
+        return tri(k_cache, summaries, page_ids.to(torch.int32))
+    ids = page_ids.long()
+    ids = ids[ids >= 0]
+    if ids.numel():
+        keys = k_cache.index_select(0, ids).permute(2, 0, 1, 3)  # [Hkv, N, S, D]
+        summaries.scatter_(ids, build_summaries(keys, config))
+
+
+def build_new_pages(k_cache, summaries: PagedSummaries, block_table, seq_lens, config: LocksConfig, *,
+                    backend=None):
+    """Incremental build: the page each sequence's last token filled (if ``seq_lens % S == 0``)."""
+    if resolve_backend(backend, k_cache.device) == "triton":
+        from kvlocks.summary.triton import build_new_pages as tri
+
+        return tri(k_cache, summaries, block_table, seq_lens)
+    s = k_cache.shape[1]
+    filled = (seq_lens > 0) & (seq_lens % s == 0)
+    page = (seq_lens // s - 1).clamp_min(0).long()
+    phys = block_table.gather(1, page[:, None])[:, 0]
+    build_pages(k_cache, summaries, phys[filled], config, backend="torch")
+
+
+class DecodePlan:
+    """Buffers and launch sizes for one decode step of a batch: plan once, ``run`` per layer.
+
+    ``run`` scores every full page, selects ``k = config.pages_per_step`` pages per
+    (sequence, KV head) and attends them, writing into buffers owned by the plan: no allocation
+    and no host synchronisation, so a whole step can be captured in a CUDA graph (Triton backend).
+
+    Parameters
+    ----------
+    batch, num_kv_heads, group, head_dim : B, Hkv, G, D
+    max_pages : width of the block table (pages per sequence at most)
+    config : LocksConfig (page_size, budget, sink/recent pages, combine rule; int4/int8 summaries)
+    dtype, device : of the queries and the K/V cache
+    """
+
+    def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device,
+                 scale=None, backend=None):
+        check_kernel_config(config, head_dim)
+        self.config, self.backend = config, resolve_backend(backend, device)
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.k = config.pages_per_step
+        self.ws = {}
+        if self.backend == "triton":
+            from kvlocks.attention.triton import attention_workspace
+            from kvlocks.scoring.triton import score_workspace
+            from kvlocks.selection.triton import select_workspace
+
+            rows = batch * num_kv_heads
+            self.ws = {
+                "score": score_workspace(batch, num_kv_heads, group, max_pages, device),
+                "select": select_workspace(batch, num_kv_heads, max_pages, self.k, device),
+                "attend": attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device),
+            }
+
+    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
+        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
+        c, be = self.config, self.backend
+        _, _, ranking = score_pages(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                                    backend=be, workspace=self.ws.get("score"))
+        self.pages = select_pages(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
+                                  recent_pages=c.recent_pages, backend=be, workspace=self.ws.get("select"))
+        return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
+                            backend=be, workspace=self.ws.get("attend"))

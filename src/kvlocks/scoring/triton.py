@@ -1,0 +1,312 @@
+"""Fused page scoring (Eq. 4) and GQA combine (Eq. 5) over the paged summary store, in Triton.
+
+Two launches per layer and step, grid sizes fixed by the plan (no host sync, graph-capturable):
+
+1. ``_score_kernel``, grid ``(chunks, B * Hkv)``: each program reads the int4/int8 summaries of a
+   run of pages *once* and scores them for all G query heads of its KV head, BLOCK pages per
+   step. A page's R basis rows are one tile of words (16 words per row); nibble phase k of every
+   word meets the matching phase of q^T in a ``tl.dot`` with M = BLOCK * R, N = GP, K = 16; the
+   centroid term is the same with int8 bytes. The dot's padding columns (GP = G padded to 16)
+   are dropped to GB = next_pow2(G) before the R-term contraction with the coefficients (read as
+   one 8-byte word per key) and the length-S log-sum-exp, which run on CUDA cores in float32. It
+   writes the per-head page scores and, per program, each head's running (max, sum-exp) over its
+   pages: what the share normalisation needs.
+2. ``_combine_kernel``, grid ``(chunks2, B * Hkv)``: reduces the per-program statistics to each
+   head's log-sum-exp over all pages, then turns the per-head scores into the combined ranking
+   (``mean_share`` Eq. 5, ``max_share`` or ``sum_mass``).
+
+The dots run in the query dtype (int4/int8 payloads are exact in it) with float32 accumulation.
+H200 measurements and the analysis of this kernel's speed: ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlocks.cache.layout import PagedSummaries, dot_dtype
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# kernels may read module globals only when they are constexpr
+_LN2 = tl.constexpr(LN2)
+_LOG2E = tl.constexpr(LOG2E)
+RULES = {"mean_share": 0, "max_share": 1, "sum_mass": 2}
+MAX_BLOCK = 32  # pages per inner step at most (see _block_pages)
+_WORD = {64: tl.int16, 128: tl.int32}  # basis word: 16 words (of D/16 nibbles) per basis vector
+
+
+def _block_pages(group: int, rank: int, page_size: int) -> int:
+    """Pages per inner step: keeps the ``[BLOCK, S, R, GB]`` contraction at 8192 elements (32 per
+    thread at 8 warps) and the projection dot's M = BLOCK * R >= 16."""
+    gb = triton.next_power_of_2(group)
+    blk = max(1, 8192 // (page_size * rank * gb))
+    blk = 1 << (blk.bit_length() - 1)  # power of two
+    return max(min(blk, MAX_BLOCK), triton.next_power_of_2(-(-16 // rank)))
+
+
+@triton.jit
+def _score_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr,
+                  censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
+                  Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
+                  GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                  BLOCK: tl.constexpr, CB: tl.constexpr, WDT: tl.constexpr, DOT_DT: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    pid_c = tl.program_id(0)
+    row = tl.program_id(1)  # b * Hkv + h
+    b = row // Hkv
+    h = row % Hkv
+    pc = tl.load(seqlen_ptr + b) // S  # full (summarised) pages of this sequence
+    g = tl.arange(0, GP)
+    q_col = q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh  # [1, GP]
+    qm = (g < G)[None, :]
+    gb = tl.arange(0, GB)
+    w16 = tl.arange(0, 16)
+    wc = tl.arange(0, D // 4)
+    s_idx = tl.arange(0, S)
+    m = tl.arange(0, BLOCK * R)  # basis row (page m // R, vector m % R)
+    cb = tl.arange(0, CB)
+    words_ptr = basis_ptr.to(tl.pointer_type(WDT))
+    cen_words = cen_ptr.to(tl.pointer_type(tl.int32))
+    m_run = tl.full([GB], float("-inf"), tl.float32)
+    l_run = tl.zeros([GB], tl.float32)
+    start = pid_c * pages_per_prog
+    end = tl.minimum(start + pages_per_prog, pc)
+    btr = bt_ptr + b.to(tl.int64) * stride_bt
+    for p0 in range(start, end, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        pmask = p < end
+        mm = (p0 + m // R) < end
+        cm = (cb < BLOCK) & (p0 + cb < end)
+        ph = tl.load(btr + p, mask=pmask, other=0).to(tl.int64) * Hkv + h  # (page, head) record [BLOCK]
+        ph_m = tl.load(btr + p0 + m // R, mask=mm, other=0).to(tl.int64) * Hkv + h
+        ph_c = tl.load(btr + p0 + cb, mask=cm, other=0).to(tl.int64) * Hkv + h
+        # word-wide loads (4 B for D=128): a page's basis is 512 contiguous bytes, 16 words per vector
+        words = tl.load(words_ptr + (ph_m * R + m % R)[:, None] * 16 + w16[None, :], mask=mm[:, None],
+                        other=0).to(tl.int32)  # [BLOCK * R, 16]
+        cwords = tl.load(cen_words + ph_c[:, None] * (D // 4) + wc[None, :], mask=cm[:, None], other=0)  # [CB, D/4]
+        if R == 8:  # a key's 8 coefficients are one 8-byte word
+            cq = tl.load(coef_ptr.to(tl.pointer_type(tl.int64)) + ph[:, None] * S + s_idx[None, :],
+                         mask=pmask[:, None], other=0)  # [BLOCK, S]
+            c = ((cq[:, :, None] << (56 - 8 * tl.arange(0, R))[None, None, :]) >> 56).to(tl.float32)
+        else:
+            c = tl.load(coef_ptr + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R
+                        + tl.arange(0, R)[None, None, :], mask=pmask[:, None, None], other=0).to(tl.float32)
+        cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
+        bsc = tl.load(bscale_ptr + ph_m * R + m % R, mask=mm, other=0.0).to(tl.float32)
+        msc = tl.load(censcale_ptr + ph_c, mask=cm, other=0.0).to(tl.float32)
+        # projections on the basis: nibble k of word w is element (D // 16) * w + k; q^T phase k: [16, GP]
+        proj = tl.zeros([BLOCK * R, GP], tl.float32)
+        for k in tl.static_range(D // 16):  # D // 16 nibbles per word
+            x = ((words << (28 - 4 * k)) >> 28).to(tl.float32).to(DOT_DT)  # sign-extended nibble
+            qk = tl.load(q_col + ((D // 16) * w16 + k)[:, None], mask=qm, other=0.0).to(DOT_DT)
+            proj = tl.dot(x, qk, acc=proj, input_precision=PRECISION)
+        proj = proj * bsc[:, None]  # [BLOCK * R, GP]
+        qmu = tl.zeros([CB, GP], tl.float32)
+        for k in tl.static_range(4):
+            x = ((cwords << (24 - 8 * k)) >> 24).to(tl.float32).to(DOT_DT)  # int8 centroid, byte k
+            qk = tl.load(q_col + (4 * wc + k)[:, None], mask=qm, other=0.0).to(DOT_DT)
+            qmu = tl.dot(x, qk, acc=qmu, input_precision=PRECISION)
+        qmu = qmu * msc[:, None]  # [CB, GP]
+        if GB < GP:  # drop the dot's padding columns: they are exactly zero (zero query rows)
+            proj = tl.sum(tl.reshape(proj, (BLOCK * R, GP // GB, GB)), axis=1)
+            qmu = tl.sum(tl.reshape(qmu, (CB, GP // GB, GB)), axis=1)
+        if CB > BLOCK:  # and the centroid dot's padding rows
+            qmu = tl.sum(tl.reshape(qmu, (CB // BLOCK, BLOCK, GB)), axis=0)
+        proj = tl.reshape(proj, (BLOCK, R, GB))
+        acc = tl.sum(c[:, :, :, None] * proj[:, None, :, :], axis=2)  # [BLOCK, S, GB] = sum_r c * proj
+        logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
+        mx = tl.max(logit, axis=1)
+        lse2 = mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))  # [BLOCK, GB]
+        out_off = (row * G + gb)[None, :].to(tl.int64) * max_pages + p[:, None]
+        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & (gb < G)[None, :])
+        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
+        m_run = m_new
+    st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GB + gb
+    tl.store(st, m_run)
+    tl.store(st + GB, l_run)
+
+
+@triton.jit
+def _combine_kernel(scores_ptr, stats_ptr, seqlen_ptr, ranking_ptr, lse_ptr, Hkv, G, max_pages, n_chunks,
+                    pages_per_prog, S: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr,
+                    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_c = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // Hkv
+    pc = tl.load(seqlen_ptr + b) // S
+    g = tl.arange(0, GP)
+    gmask = g < G
+    # each head's log2-sum-exp over all pages, from the per-program (max, sum) pairs
+    m_all = tl.full([GP], float("-inf"), tl.float32)
+    l_all = tl.zeros([GP], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_K):
+        c = c0 + tl.arange(0, BLOCK_K)
+        base = stats_ptr + ((row * n_chunks + c) * 2)[:, None] * GP + g[None, :]
+        m = tl.load(base, mask=(c < n_chunks)[:, None], other=float("-inf"))  # [BLOCK_K, GP]
+        ll = tl.load(base + GP, mask=(c < n_chunks)[:, None], other=0.0)
+        m_new = tl.maximum(m_all, tl.max(m, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_all = l_all * tl.exp2(m_all - m_safe) + tl.sum(ll * tl.exp2(m - m_safe[None, :]), axis=0)
+        m_all = m_new
+    has = l_all > 0.0
+    lse2 = tl.where(has, m_all + tl.log2(tl.where(has, l_all, 1.0)), float("-inf"))  # -inf: no page
+    if pid_c == 0:
+        tl.store(lse_ptr + row * G + g, lse2 * _LN2, mask=gmask)
+    start = pid_c * pages_per_prog
+    end = tl.minimum(start + pages_per_prog, pc)
+    for p0 in range(start, end, BLOCK_C):
+        p = p0 + tl.arange(0, BLOCK_C)
+        pmask = p < end
+        s2 = tl.load(scores_ptr + (row * G + g)[:, None].to(tl.int64) * max_pages + p[None, :],
+                     mask=gmask[:, None] & pmask[None, :], other=-1e30) * _LOG2E  # [GP, BLOCK_C]
+        if RULE == 2:  # sum_mass: logsumexp over the group (pages past pc are masked at the store)
+            mx = tl.max(tl.where(gmask[:, None], s2, -1e31), axis=0)
+            tot = tl.sum(tl.where(gmask[:, None], tl.exp2(s2 - mx[None, :]), 0.0), axis=0)
+            rank = (mx + tl.log2(tot)) * _LN2
+        else:
+            share = tl.where(has[:, None], tl.exp2(s2 - tl.where(has, lse2, 0.0)[:, None]), 0.0)
+            if RULE == 0:
+                rank = tl.sum(share, axis=0) / G
+            else:
+                rank = tl.max(share, axis=0)
+        tl.store(ranking_ptr + row.to(tl.int64) * max_pages + p, rank, mask=pmask)
+
+
+def _launch_sizes(total_pages: int, rows: int, device: torch.device, block: int) -> int:
+    """Pages per program: enough programs to fill the GPU, at least one block each."""
+    target = 8 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    per_row = max(1, target // max(rows, 1))
+    ppp = -(-total_pages // per_row)
+    return max(block, -(-ppp // block) * block)
+
+
+def score_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, device,
+                    pages_per_program: int | None = None) -> dict:
+    """Buffers for :func:`score_pages_paged`, allocated once per plan."""
+    device = torch.device(device)
+    rows = batch * num_kv_heads
+    ppp = pages_per_program or _launch_sizes(max_pages, rows, device, MAX_BLOCK)
+    n_chunks = max(1, -(-max_pages // ppp))
+    gb = triton.next_power_of_2(group)
+    f32 = dict(dtype=torch.float32, device=device)
+    return {
+        "ppp": ppp, "n_chunks": n_chunks,
+        "scores": torch.empty(batch, num_kv_heads, group, max_pages, **f32),
+        "stats": torch.empty(rows, n_chunks, 2, gb, **f32),
+        "lse": torch.empty(batch, num_kv_heads, group, **f32),
+        "ranking": torch.empty(batch, num_kv_heads, max_pages, **f32),
+        "ppp2": _launch_sizes(max_pages, rows, device, 256),
+    }
+
+
+def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
+                      workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eq. 4 page scores, per-head log-sum-exp and the combined ranking, for every full page.
+
+    Parameters
+    ----------
+    queries : ``[B, Hq, D]`` float32/bfloat16/float16, Hq = Hkv * G (head ``h * G + g``)
+    summaries : :class:`PagedSummaries` indexed by physical page id
+    block_table : int32 ``[B, max_pages]``; seq_lens : int32 ``[B]`` (tokens per sequence)
+    workspace : from :func:`score_workspace` (allocated here when omitted)
+
+    Returns
+    -------
+    scores : float32 ``[B, Hkv, G, max_pages]``, natural-log page masses (Eq. 4)
+    lse : float32 ``[B, Hkv, G]``, each head's log-sum-exp over its full pages
+    ranking : float32 ``[B, Hkv, max_pages]``, the combined score (higher is better)
+    Entries at page ``p >= seq_lens[b] // S`` are not written.
+    """
+    bsz, hq, d = queries.shape
+    hkv, s, r = summaries.num_kv_heads, summaries.page_size, summaries.rank
+    if d not in _WORD:
+        raise ValueError(f"head_dim={d}: the score kernel supports {tuple(_WORD)}")
+    g = hq // hkv
+    max_pages = block_table.shape[1]
+    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
+    gb = ws["stats"].shape[-1]
+    blk = _block_pages(g, r, s)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    prec = "ieee" if queries.dtype == torch.float32 else "tf32"
+    rows = bsz * hkv
+    _score_kernel[(ws["n_chunks"], rows)](
+        queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
+        summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
+        seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
+        GP=max(16, gb), GB=gb, D=d, S=s, R=r, BLOCK=blk, CB=max(16, blk), WDT=_WORD[d], DOT_DT=dot_dtype(queries.dtype),
+        PRECISION=prec, **ws.get("launch", {"num_warps": 8}),
+    )
+    _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
+    return ws["scores"], ws["lse"], ws["ranking"]
+
+
+def _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine):
+    if combine not in RULES:
+        raise ValueError(f"combine rule {combine!r}: allowed {tuple(RULES)}")
+    rows = ws["stats"].shape[0]
+    n2 = max(1, -(-max_pages // ws["ppp2"]))
+    _combine_kernel[(n2, rows)](
+        ws["scores"], ws["stats"], seq_lens, ws["ranking"], ws["lse"], hkv, g, max_pages, ws["n_chunks"],
+        ws["ppp2"], S=s, GP=ws["stats"].shape[-1], RULE=RULES[combine], BLOCK_C=64, BLOCK_K=16, num_warps=4,
+    )
+
+
+# ---- adapters with the reference signatures (token-major / reference layouts) ----
+
+def score_pages_from_summaries(queries, summaries, *, scale=None, token_mask=None):
+    """Same as :func:`kvlocks.scoring.reference.score_pages_from_summaries` (int4/int8 summaries).
+
+    queries ``[..., G, D]``, summaries with leading dims ``...`` -> float32 ``[..., G, P]``.
+    ``token_mask`` is not supported by the kernel (the paged layout has no padding).
+    """
+    if token_mask is not None:
+        raise NotImplementedError("token_mask: use the torch backend (the paged layout has no padding)")
+    lead, (g, d), p = queries.shape[:-2], queries.shape[-2:], summaries.num_pages
+    q = queries.reshape(-1, g, d)
+    n_rows = q.shape[0]
+    store, table = _store_from_reference(summaries, n_rows)
+    seq = torch.full((n_rows,), p * summaries.page_size, dtype=torch.int32, device=q.device)
+    scores, _, _ = score_pages_paged(q, store, table, seq, scale=scale)
+    return scores[:, 0].reshape(*lead, g, p)
+
+
+def combine_group(page_scores: torch.Tensor, rule: str) -> torch.Tensor:
+    """Same as :func:`kvlocks.scoring.reference.combine_group`: ``[..., G, P]`` -> ``[..., P]``."""
+    lead, (g, p) = page_scores.shape[:-2], page_scores.shape[-2:]
+    x = page_scores.float().reshape(-1, 1, g, p).contiguous()
+    rows = x.shape[0]
+    gb = triton.next_power_of_2(g)
+    stats = torch.zeros(rows, p, 2, gb, device=x.device)  # one "program" per page: (score, 1)
+    stats[:, :, 0, :] = float("-inf")
+    stats[:, :, 0, :g] = x[:, 0].transpose(1, 2) * LOG2E
+    stats[:, :, 1, :g] = 1.0
+    ws = {"scores": x, "stats": stats, "n_chunks": p, "lse": torch.empty(rows, 1, g, device=x.device),
+          "ranking": torch.empty(rows, 1, p, device=x.device), "ppp2": 256}
+    seq = torch.full((rows,), p, dtype=torch.int32, device=x.device)
+    _combine_launch(ws, seq, 1, g, p, 1, rule)
+    return ws["ranking"].reshape(*lead, p)
+
+
+def _store_from_reference(summaries, n_rows: int) -> tuple[PagedSummaries, torch.Tensor]:
+    """Reference summaries ``[..., P]`` -> a store of ``n_rows * P`` pages with Hkv = 1."""
+    p = summaries.num_pages
+
+    def flat(t, tail):  # [..., P, *tail] -> [n_rows * P, 1, *tail]
+        return t.reshape(n_rows * p, 1, *tail).contiguous()
+
+    s, r, d = summaries.page_size, summaries.rank, summaries.head_dim
+    store = PagedSummaries(
+        basis=flat(summaries.basis, (r, d // 2)), basis_scale=flat(summaries.basis_scale, (r,)),
+        coef=flat(summaries.coef, (s, r)), coef_scale=flat(summaries.coef_scale, (s,)),
+        centroid=flat(summaries.centroid, (d,)), centroid_scale=flat(summaries.centroid_scale, ()),
+    )
+    table = torch.arange(n_rows * p, dtype=torch.int32, device=summaries.coef.device).view(n_rows, p)
+    return store, table

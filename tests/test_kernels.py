@@ -1,0 +1,247 @@
+"""Triton decode kernels against the PyTorch references (the spec).
+
+Without a GPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``, set here before
+any kernel module is imported; kernel modules are imported by nothing else on the CPU), at small
+sizes. With a GPU the same tests run compiled, at larger sizes.
+"""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kvlocks.attention import reference as attn_ref  # noqa: E402
+from kvlocks.attention import triton as attn_tri  # noqa: E402
+from kvlocks.config import LocksConfig  # noqa: E402
+from kvlocks.dispatch import (  # noqa: E402
+    DecodePlan, build_new_pages, build_pages, paged_decode, score_pages, select_pages,
+)
+from kvlocks.cache.layout import PagedSummaries  # noqa: E402
+from kvlocks.scoring import reference as score_ref  # noqa: E402
+from kvlocks.scoring import triton as score_tri  # noqa: E402
+from kvlocks.selection import triton as sel_tri  # noqa: E402
+from kvlocks.selection.topk import select_top_pages  # noqa: E402
+from kvlocks.summary import triton as build_tri  # noqa: E402
+from kvlocks.summary.build import build_summaries, spectral_basis  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+S = 16
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# token counts per sequence: the CPU interpreter gets small ones, the GPU real ones
+LENS = {
+    "a": [1, 15] if not CUDA else [1, 15, 4096],
+    "b": [16, 17] if not CUDA else [16, 17, 65536],
+    "c": [100, 33] if not CUDA else [100_000, 33, 2049],
+    "d": [130] if not CUDA else [262_144],
+}
+
+
+def make_paged(lens, hkv, g, d, dtype, *, extra=3, seed=0):
+    """Random K/V in a shuffled paged cache ``[num_pages, S, Hkv, D]``, block table, queries."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // S) for n in lens]
+    max_pages, num_pages = max(need), sum(need) + extra
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(lens), max_pages, dtype=torch.int32)
+    at = 0
+    for b, p in enumerate(need):
+        table[b, :p] = perm[at : at + p].to(torch.int32)
+        at += p
+    k = torch.randn(num_pages, S, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(num_pages, S, hkv, d, generator=gen).to(dtype)
+    q = (torch.randn(len(lens), hkv * g, d, generator=gen) * 1.5).to(dtype)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    return [t.to(DEV) for t in (q, k, v, table, seq)]
+
+
+def built_store(k, table, seq, cfg):
+    """Summaries of every full page, by the reference build (on the CPU: float64 eigh)."""
+    k, table, seq = k.cpu(), table.cpu(), seq.cpu()
+    store = PagedSummaries.empty(k.shape[0], k.shape[2], k.shape[3], cfg)
+    full = torch.cat([table[b, : int(seq[b]) // S] for b in range(len(seq))])
+    build_pages(k, store, full, cfg, backend="torch")
+    return store.to(DEV)
+
+
+@pytest.mark.parametrize("lens,g,d,dtype,rule", [
+    ("a", 1, 64, F32, "mean_share"), ("b", 3, 128, BF16, "mean_share"), ("c", 4, 64, F16, "max_share"),
+    ("d", 8, 128, F32, "sum_mass"), ("b", 16, 64, BF16, "mean_share"),
+])
+def test_score_matches_reference(lens, g, d, dtype, rule):
+    cfg = LocksConfig(combine=rule)
+    q, k, _, table, seq = make_paged(LENS[lens], 2, g, d, dtype)
+    store = built_store(k, table, seq, cfg)
+    got = score_pages(q, store, table, seq, combine=rule, backend="triton")
+    exp = score_pages(q, store, table, seq, combine=rule, backend="torch")
+    for b in range(len(seq)):
+        pc = int(seq[b]) // S
+        for name, x, y in zip(("scores", "lse", "ranking"), got, exp):
+            xb, yb = (x[b], y[b]) if name == "lse" else (x[b, ..., :pc], y[b, ..., :pc])
+            assert torch.allclose(xb, yb, rtol=1e-4, atol=1e-4 * max(1.0, float(yb.abs().max()) if pc else 1.0)), name
+
+
+def test_score_adapters_same_signature():
+    pages = torch.randn(2, 5, S, 64, device=DEV)
+    summ = build_summaries(pages, LocksConfig())
+    q = torch.randn(2, 3, 64, device=DEV)
+    exp = score_ref.score_pages_from_summaries(q, summ)
+    got = score_tri.score_pages_from_summaries(q, summ)
+    assert torch.allclose(got, exp, atol=1e-4)
+    for rule in ("mean_share", "max_share", "sum_mass"):
+        assert torch.allclose(score_tri.combine_group(exp, rule), score_ref.combine_group(exp, rule), atol=1e-6)
+
+
+SELECT_CASES = [  # (token counts, k, sink, recent, ties, sink_start)
+    ([1, 16, 17], 2, 1, 1, False, False), ([40 * S, 40 * S + 3], 2, 1, 1, True, False),
+    ([40 * S + 5, 7 * S], 5, 1, 1, True, False), ([300 * S, 299 * S + 1], 20, 2, 2, True, False),
+    ([300 * S], 300, 1, 1, False, False), ([90 * S + 1, 33 * S], 9, 0, 1, True, False),
+    ([90 * S, 20 * S + 4], 6, 1, 2, True, True),
+]
+
+
+@pytest.mark.parametrize("lens,k,sink,recent,ties,with_ss", SELECT_CASES)
+def test_select_matches_reference(lens, k, sink, recent, ties, with_ss):
+    gen = torch.Generator().manual_seed(k)
+    bsz, hkv, max_pages = len(lens), 3, max(-(-n // S) for n in lens)
+    ranking = torch.rand(bsz, hkv, max_pages, generator=gen)
+    if ties:  # coarse values and many exact zeros (underflowed shares): ties broken by index
+        ranking = (ranking * 3).floor() / 3
+    seq = torch.tensor(lens, dtype=torch.int32)
+    ss = torch.randint(0, 4, (bsz,), generator=gen, dtype=torch.int32) if with_ss else None
+    ws = sel_tri.select_workspace(bsz, hkv, max_pages, k, DEV, chunk=32)  # several chunks per row
+    dv = [t.to(DEV) if t is not None else None for t in (ranking, seq, ss)]
+    got = sel_tri.select_pages_paged(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent,
+                                     sink_start=dv[2], workspace=ws)
+    exp = select_pages(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=dv[2],
+                       backend="torch")
+    assert torch.equal(got.cpu(), exp.cpu())
+
+
+def test_select_adapter_same_signature():
+    r = torch.rand(2, 3, 25, device=DEV)
+    for total, k in ((25, 4), (26, 2), (26, 40)):
+        exp = select_top_pages(r, total, k)
+        assert torch.equal(sel_tri.select_top_pages(r, total, k), exp)
+
+
+@pytest.mark.parametrize("lens,g,d,dtype,k", [
+    ("a", 1, 64, F32, 2), ("b", 3, 128, BF16, 2), ("c", 4, 64, F16, 3), ("d", 8, 128, BF16, 5),
+    ("c", 16, 128, F32, 64),
+])
+def test_attention_matches_reference(lens, g, d, dtype, k):
+    q, kc, vc, table, seq = make_paged(LENS[lens], 2, g, d, dtype, seed=k)
+    gen = torch.Generator().manual_seed(1)
+    bsz, hkv = len(seq), 2
+    pl = torch.full((bsz, hkv, k), -1, dtype=torch.int32)
+    for b in range(bsz):
+        total = -(-int(seq[b]) // S)
+        for h in range(hkv):  # distinct pages in random order (the kernel needs no order)
+            pl[b, h, : min(k, total)] = torch.randperm(total, generator=gen)[:k].to(torch.int32)
+    pl = pl.to(DEV)
+    got = paged_decode(q, kc, vc, table, seq, pl, backend="triton")
+    exp = paged_decode(q, kc, vc, table, seq, pl, backend="torch")
+    tol = 1e-4 if dtype == F32 else 2e-2
+    assert torch.allclose(got[0].float(), exp[0].float(), atol=tol, rtol=tol)
+    assert torch.allclose(got[1], exp[1], atol=1e-3)
+    dense = attn_tri.identity_pages(bsz, hkv, table.shape[1], DEV)
+    got = paged_decode(q, kc, vc, table, seq, dense, backend="triton")
+    for b in range(bsz):
+        n = int(seq[b])
+        keys = kc[table[b, : -(-n // S)].long()].permute(2, 0, 1, 3).flatten(1, 2)[:, :n]
+        vals = vc[table[b, : -(-n // S)].long()].permute(2, 0, 1, 3).flatten(1, 2)[:, :n]
+        o, lse = attn_ref.dense_decode(q[b].view(hkv, g, d), keys, vals)
+        assert torch.allclose(got[0][b].float(), o.reshape(-1, d).float(), atol=tol, rtol=tol)
+        assert torch.allclose(got[1][b], lse.reshape(-1), atol=1e-3)
+
+
+def test_attention_adapters_same_signature():
+    q, k, v = (torch.randn(2, 3, n, 64, device=DEV) for n in (4, 37, 37))
+    ids = torch.tensor([[0, 2], [1, 2]], device=DEV).view(2, 1, 2).expand(2, 3, 2)
+    for got, exp in ((attn_tri.sparse_decode(q, k, v, ids, S), attn_ref.sparse_decode(q, k, v, ids, S)),
+                     (attn_tri.dense_decode(q, k, v), attn_ref.dense_decode(q, k, v))):
+        assert torch.allclose(got[0], exp[0], atol=1e-4) and torch.allclose(got[1], exp[1], atol=1e-4)
+
+
+def _cpu(s):
+    return s._map(lambda _, t: t.cpu())
+
+
+def _recon(s):
+    return s.centroid_float()[..., None, :] + s.coef_float() @ s.basis_float()
+
+
+@pytest.mark.parametrize("d,dtype,rank", [(64, F32, 0), (128, BF16, 0), (128, F32, 5), (64, F16, 12)])
+def test_build_matches_reference(d, dtype, rank):
+    gen = torch.Generator().manual_seed(d + rank)
+    lead, p = (2,), (3 if not CUDA else 500)
+    if rank:  # low-rank pages: the subspace is exact and unique
+        keys = torch.randn(*lead, p, 1, d, generator=gen) + torch.randn(*lead, p, S, rank, generator=gen) @ \
+            torch.randn(*lead, p, rank, d, generator=gen)
+    else:
+        keys = torch.randn(*lead, p, S, d, generator=gen)
+    keys = keys.to(dtype).to(DEV)
+    cfg = LocksConfig()
+    got = _cpu(build_tri.build_summaries(keys, cfg))
+    keys = keys.cpu()
+    ref = build_summaries(keys, cfg)
+    kf = keys.float()
+    # same quantized reconstruction up to rounding-boundary flips (float32 vs float64 solve)
+    err = (_recon(got) - _recon(ref)).norm() / kf.norm()
+    assert float(err) < 2e-3
+    assert (got.centroid.int() - ref.centroid.int()).abs().max() <= 1
+    _, _, _, _, sigma = spectral_basis(keys, cfg.rank)
+    assert torch.allclose(got.sigma[..., :cfg.rank], sigma[..., :cfg.rank], atol=2e-3 * float(sigma.max()))
+    kept = ref.basis_float().norm(dim=-1) > 0
+    assert torch.equal(got.basis_float().norm(dim=-1) > 0, kept)
+
+
+def test_incremental_build_builds_just_filled_pages():
+    cfg = LocksConfig()
+    q, k, _, table, seq = make_paged([2 * S, 3 * S + 1, S - 1, S], 2, 1, 64, F32)
+    store = PagedSummaries.empty(k.shape[0], 2, 64, cfg, device=DEV)
+    store.coef.fill_(99)
+    build_new_pages(k, store, table, seq, cfg, backend="triton")
+    exp = PagedSummaries.empty(k.shape[0], 2, 64, cfg, device=DEV)
+    exp.coef.fill_(99)
+    build_new_pages(k, exp, table, seq, cfg, backend="torch")
+    touched = (exp.coef != 99).flatten(1).any(1)
+    assert int(touched.sum()) == 2  # sequences 0 and 3 just filled a page
+    assert torch.equal((store.coef != 99).flatten(1).any(1), touched)
+    ids = touched.nonzero()[:, 0]
+    # eigenvector signs are arbitrary: compare the (sign-free) quantized reconstructions
+    assert float((_recon(store.gather(ids)) - _recon(exp.gather(ids))).abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("lens,g,budget", [("c", 4, 64), ("d", 3, 32), ("b", 1, 2048)])
+def test_decode_plan_matches_torch_backend(lens, g, budget):
+    cfg = LocksConfig(budget=budget)
+    q, k, v, table, seq = make_paged(LENS[lens], 2, g, 64, F32, seed=3)
+    store = built_store(k, table, seq, cfg)
+    kw = dict(batch=len(seq), num_kv_heads=2, group=g, head_dim=64, max_pages=table.shape[1], config=cfg,
+              dtype=q.dtype, device=DEV)
+    tri, ref = DecodePlan(backend="triton", **kw), DecodePlan(backend="torch", **kw)
+    out_t = tri.run(q, k, v, store, table, seq)
+    out_r = ref.run(q, k, v, store, table, seq)
+    assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
+    assert torch.allclose(out_t[0], out_r[0], atol=1e-4) and torch.allclose(out_t[1], out_r[1], atol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_decode_step_is_graph_capturable():
+    cfg = LocksConfig(budget=2048)
+    q, k, v, table, seq = make_paged([100_000, 40_000], 4, 4, 128, BF16, seed=5)
+    store = built_store(k, table, seq, cfg)
+    plan = DecodePlan(batch=2, num_kv_heads=4, group=4, head_dim=128, max_pages=table.shape[1], config=cfg,
+                      dtype=q.dtype, device=DEV)
+    eager = [t.clone() for t in plan.run(q, k, v, store, table, seq)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = plan.run(q, k, v, store, table, seq)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
