@@ -31,3 +31,12 @@ class ConfigIO:
         if unknown:
             raise ValueError(f"{name} JSON has unknown fields {unknown}; allowed {sorted(allowed)}")
         return cls(**data)
+
+
+def check_int(owner: str, name: str, value, low: int, high: int | None = None) -> None:
+    """Raise ``ValueError`` naming ``owner.name`` unless ``value`` is an int in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name}={value!r}: must be an integer")
+    if value < low or (high is not None and value > high):
+        upper = "" if high is None else f" and <= {high}"
+        raise ValueError(f"{owner}.{name}={value}: must be >= {low}{upper}")

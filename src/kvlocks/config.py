@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlocks._config_io import ConfigIO
+from kvlocks._config_io import ConfigIO, check_int
 
 COMBINE_RULES = ("mean_share", "max_share", "sum_mass")
 BASIS_BITS = (2, 4, 8, 16)
@@ -16,11 +16,7 @@ COEF_BITS = (8, 16)
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"LocksConfig.{name}={value!r}: must be an integer")
-    if value < low or (high is not None and value > high):
-        upper = "" if high is None else f" and <= {high}"
-        raise ValueError(f"LocksConfig.{name}={value}: must be >= {low}{upper}")
+    check_int("LocksConfig", name, value, low, high)
 
 
 @dataclass(frozen=True, kw_only=True)
