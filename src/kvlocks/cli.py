@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-COMMANDS = ("demo", "generate")
+COMMANDS = ("demo", "generate", "eval", "fidelity", "compact", "bench")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--cache", type=Path,
+                   help="compacted prefix (kvlocks compact --out FILE): the prompt continues after it")
     p.set_defaults(func=run)
 
 
@@ -47,18 +49,31 @@ def run(args) -> int:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
-    cache = LocksCache(model.config, method=args.method, config=config)
+    inputs, prefix = dict(enc), None
+    if args.cache is not None:  # continue after a compacted prefix: positions start at its T
+        from kvlocks.compaction.serve import continuation_inputs, open_cache
+
+        cache = open_cache(model, args.cache, method=args.method, config=config)
+        inputs = continuation_inputs(cache, enc.input_ids)
+        prefix = {"file": str(args.cache), "T": cache.prefix_len, "t": cache.kept,
+                  "compaction": cache.compaction}
+    else:
+        cache = LocksCache(model.config, method=args.method, config=config)
     torch.manual_seed(args.seed)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
     if args.sample:
         gen["temperature"] = args.temperature
-    out = model.generate(**enc, **gen, **cache_kwargs(model, cache))
-    text = tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
-    stats = cache.stats.summary()
+    out = model.generate(**inputs, **gen, **cache_kwargs(model, cache))
+    text = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    stats = cache.stats.summary() if hasattr(cache, "stats") else {}
     if args.json:
         print(json.dumps({"method": args.method, "config": json.loads(config.to_json()),
-                          "prompt_tokens": enc.input_ids.shape[1], "text": text, "stats": stats}))
+                          "prompt_tokens": enc.input_ids.shape[1], "text": text, "stats": stats,
+                          "prefix": prefix}))
     else:
         print(text)
-        print(f"\n[{args.method}] prompt {enc.input_ids.shape[1]} tokens; {bytes_line(stats)}")
+        line = bytes_line(stats) if stats else "dense SDPA with the prefix's logit bias as attn_mask"
+        head = "" if prefix is None else (
+            f"after the {prefix['compaction']} prefix of {prefix['T']} tokens ({prefix['t']} entries); ")
+        print(f"\n[{args.method}] {head}prompt {enc.input_ids.shape[1]} tokens; {line}")
     return 0

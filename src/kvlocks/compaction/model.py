@@ -1,0 +1,241 @@
+"""Compact a whole model's cache of a T-token prefix: every layer and KV head to t entries.
+
+Equal budgets: every (layer, KV head) keeps the same t = ``config.budget(T)`` entries, so the
+result is a rectangular cache ``[Hkv, t, D]`` per layer that stock engines can hold.
+
+When t == T nothing is dropped, and the exact solution of every method is the prefix cache
+itself (beta = 0, values unchanged; nothing to fold). Then the prefill K/V are returned as they
+are instead of a numerical fit that would only approximate them; this makes ratio 1.0 a clean
+end-to-end check of capture, file and serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .api import compact_layer
+from .capture import Capture, ReferenceConfig, capture_queries, check_prefix_ids, reference_passes
+from .config import CompactionConfig
+
+logger = logging.getLogger(__name__)
+
+BIAS_METHODS = ("am", "rank1")  # methods whose cache needs a logit bias at serving time
+_ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters", "rope_theta")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a compacted cache must match to be served by a model.
+
+    Attributes
+    ----------
+    model_id : str
+        Name or path the model was loaded from (informative).
+    num_layers, num_q_heads, num_kv_heads, head_dim : int
+    config_hash : str
+        sha256 of the architecture fields that shape K/V (``_ARCH_FIELDS``).
+    weights_hash : str
+        sha256 of the first layer's ``k_proj`` and the last layer's ``v_proj`` weights, rounded
+        to bfloat16 (so float32 and bfloat16 loads of one checkpoint agree).
+    """
+
+    model_id: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    config_hash: str
+    weights_hash: str
+
+
+def _text_config(model):
+    return model.config.get_text_config(decoder=True)
+
+
+def _attn_modules(model) -> list:
+    layers = model.get_decoder().layers
+    return [layer.self_attn for layer in layers]
+
+
+def model_info(model, model_id: str | None = None) -> ModelInfo:
+    """The :class:`ModelInfo` of a loaded model."""
+    cfg = _text_config(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    arch = {f: getattr(cfg, f, None) for f in _ARCH_FIELDS}
+    arch["head_dim"] = head_dim
+    config_hash = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode()).hexdigest()
+    attn = _attn_modules(model)
+    h = hashlib.sha256()
+    for w in (attn[0].k_proj.weight, attn[-1].v_proj.weight):
+        h.update(w.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return ModelInfo(model_id=model_id or str(getattr(cfg, "_name_or_path", "")),
+                     num_layers=cfg.num_hidden_layers, num_q_heads=cfg.num_attention_heads,
+                     num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                     config_hash=config_hash, weights_hash=h.hexdigest())
+
+
+def check_model(info: ModelInfo, model, where: str = "the compacted prefix") -> None:
+    """Raise ``ValueError`` unless ``model`` is the model ``info`` describes.
+
+    Layer count, head counts and head dim are compared first (the clearest message), then
+    the architecture's config hash and the weights hash.
+    """
+    have = model_info(model)
+    for field in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads"):
+        if getattr(info, field) != getattr(have, field):
+            raise ValueError(f"{where} was made for a model with {field}={getattr(info, field)} "
+                             f"({info.model_id!r}); this model has {field}={getattr(have, field)}")
+    if info.config_hash != have.config_hash:
+        raise ValueError(f"{where} was made for another model architecture ({info.model_id!r}): "
+                         "config hash differs")
+    if info.weights_hash != have.weights_hash:
+        raise ValueError(f"{where} was made for a model with other weights ({info.model_id!r}): "
+                         "weights hash differs")
+
+
+@dataclass(frozen=True)
+class CompactedPrefix:
+    """A model's compacted prefix cache, every layer with the same t (module docstring).
+
+    Attributes
+    ----------
+    keys : tuple of Tensor [Hkv, t, Dk], float32
+        Post-RoPE keys at their original phase; Dk = D, or D+1 for ``rank1`` (beta appended).
+    values : tuple of Tensor [Hkv, t, D], float32
+    beta : tuple of Tensor [Hkv, t], float32, or None
+        The logit bias serving must add (``am`` only).
+    indices : tuple of Tensor [Hkv, t], int64
+        Kept positions, ascending per head.
+    prefix_len : int
+        T: new tokens continue at position T.
+    kept : int
+        t.
+    method : str
+    config : CompactionConfig
+    reference : str
+        JSON of the :class:`~.capture.ReferenceConfig` used ("{}" if unknown).
+    model : ModelInfo
+    compact_seconds : float
+        Capture plus compaction wall time (0 if unknown).
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    beta: tuple[torch.Tensor, ...] | None
+    indices: tuple[torch.Tensor, ...]
+    prefix_len: int
+    kept: int
+    method: str
+    config: CompactionConfig
+    reference: str
+    model: ModelInfo
+    compact_seconds: float = 0.0
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether serving needs a logit bias (``am``, ``rank1``): no plain-cache kernel."""
+        return self.method in BIAS_METHODS
+
+    def serving_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys [Hkv, t, D], values [Hkv, t, D] and bias [Hkv, t] or None, as served.
+
+        ``rank1`` keys ``[k, beta]`` read by ``q' = [q, 1/scale]`` give exactly the logits of
+        ``k`` plus bias beta, so they are served as keys ``k`` with bias ``beta``.
+        """
+        k, v = self.keys[layer], self.values[layer]
+        if self.method == "rank1":
+            return k[..., :-1], v, k[..., -1]
+        return k, v, (self.beta[layer] if self.beta is not None else None)
+
+
+def _identity_layer(k: torch.Tensor, v: torch.Tensor, method: str):
+    """Keep-all 'compaction' (t == T): keys, values, beta, indices."""
+    hkv, num, _ = k.shape
+    k, v = k.to(torch.float32), v.to(torch.float32)
+    zero = torch.zeros(hkv, num)
+    idx = torch.arange(num).expand(hkv, num).clone()
+    if method == "rank1":
+        k = torch.cat([k, zero[..., None]], dim=-1)  # [Hkv, T, D+1]
+    return k, v, (zero if method == "am" else None), idx
+
+
+def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int | None = None,
+                    reference: ReferenceConfig | None = None, model_id: str | None = None,
+                    progress: Callable[[str], None] | None = None) -> CompactedPrefix:
+    """Compact every layer of a captured prefix with :func:`~.api.compact_layer`.
+
+    Parameters
+    ----------
+    model : the model the capture came from
+    capture : Capture
+    config : CompactionConfig
+    t : int, optional
+        Entries kept per (layer, KV head); default ``config.budget(T)``.
+    reference : ReferenceConfig, optional
+        Recorded in the result (how the capture's passes were made).
+    model_id : str, optional
+    progress : callable(str), optional
+        Called before each layer.
+
+    Returns
+    -------
+    CompactedPrefix
+    """
+    if not isinstance(config, CompactionConfig):
+        raise ValueError(f"config must be a CompactionConfig, got {type(config).__name__}")
+    start = time.perf_counter()
+    num = capture.prefix_len
+    t = config.budget(num) if t is None else t
+    if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= num:
+        raise ValueError(f"t={t!r}: must be an integer with 1 <= t <= T={num}")
+    keys, values, betas, indices = [], [], [], []
+    for i, (k, v, q) in enumerate(zip(capture.keys, capture.values, capture.queries)):
+        if progress is not None:
+            progress(f"layer {i}")
+        if t == num:
+            ck, cv, cb, ci = _identity_layer(k, v, config.method)
+        else:
+            try:
+                out = compact_layer(k.float(), v.float(), q, t, config, scale=capture.scales[i])
+            except ValueError as exc:
+                raise ValueError(f"layer {i}: {exc}") from None
+            ck, cv, cb, ci = out.keys, out.values, out.beta, out.indices
+        keys.append(ck)
+        values.append(cv)
+        betas.append(cb)
+        indices.append(ci)
+    seconds = capture.seconds + time.perf_counter() - start
+    logger.info("compacted T=%d -> t=%d per head with %s in %.1f s", num, t, config.method, seconds)
+    return CompactedPrefix(
+        keys=tuple(keys), values=tuple(values),
+        beta=tuple(betas) if config.method == "am" else None, indices=tuple(indices),
+        prefix_len=num, kept=t, method=config.method, config=config,
+        reference=reference.to_json() if reference is not None else "{}",
+        model=model_info(model, model_id), compact_seconds=seconds)
+
+
+def compact_prefix(model, tokenizer, prefix_ids: torch.Tensor, config: CompactionConfig, *,
+                   reference: ReferenceConfig | None = None, t: int | None = None,
+                   model_id: str | None = None,
+                   progress: Callable[[str], None] | None = None) -> CompactedPrefix:
+    """Capture reference queries for ``prefix_ids`` [1, T] and compact the model's cache of it.
+
+    Uses ``config.max_queries`` and ``config.seed`` for the query cap and subsample, and the
+    passes of ``reference`` (default :class:`~.capture.ReferenceConfig`). See
+    :func:`~.capture.capture_queries` and :func:`compact_capture`.
+    """
+    ids = check_prefix_ids(prefix_ids)
+    reference = reference or ReferenceConfig()
+    passes = reference_passes(tokenizer, ids, reference)
+    capture = capture_queries(model, ids, passes, max_queries=config.max_queries, seed=config.seed,
+                              progress=progress)
+    return compact_capture(model, capture, config, t=t, reference=reference, model_id=model_id,
+                           progress=progress)
