@@ -58,7 +58,7 @@ def run(args) -> int:
         prefix = {"file": str(args.cache), "T": cache.prefix_len, "t": cache.kept,
                   "compaction": cache.compaction}
     else:
-        cache = LocksCache(model.config, method=args.method, config=config)
+        cache = LocksCache(model.config, method=_method(args.method, model, tok, prompt), config=config)
     torch.manual_seed(args.seed)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
     if args.sample:
@@ -77,3 +77,20 @@ def run(args) -> int:
             f"after the {prefix['compaction']} prefix of {prefix['T']} tokens ({prefix['t']} entries); ")
         print(f"\n[{args.method}] {head}prompt {enc.input_ids.shape[1]} tokens; {line}")
     return 0
+
+
+def _method(name: str, model, tok, prompt: str):
+    """A selector name, or for ``loki`` a selector calibrated offline on other text.
+
+    Loki's PCA must be fitted on text other than what it is evaluated on: 2,048 tokens of the
+    stdlib prose corpus sharing no sentence with the prompt.
+    """
+    if name != "loki":
+        return name
+    import torch
+
+    from kvlocks.fidelity.prompts import calibration_prompt
+    from kvlocks.selection.loki import LokiSelector, calibrate
+
+    calib = calibration_prompt(tok, tokens=2048, avoid=[prompt], page_size=16, seed=0)
+    return LokiSelector(calibrate(model, torch.tensor([calib.ids], device=model.device)))
