@@ -1,0 +1,191 @@
+"""The LOCKS attention backend for vLLM on CPU: the stock ``CPU_ATTN`` backend plus sparse decode.
+
+Everything except single-token decode runs vLLM's stock CPU kernels unchanged (prefill, chunked
+prefill, encoder attention, the cache writes). For each request whose query at this step is one
+token (a decode step), the LOCKS path:
+
+1. makes sure every full 16-token page of the sequence has a valid summary in the layer's
+   :class:`~kvlocks.integrations.vllm.store.BlockSummaryStore` (building, from the paged cache,
+   the pages that filled since the last step, at the end of prefill, or whose block was reused);
+2. scores the pages from their summaries and selects sink + recent + top pages with kvlocks'
+   reference functions (:func:`~kvlocks.selection.choose_pages`, the ``locks`` selector), exactly
+   as the Hugging Face path does;
+3. attends over the full K/V of the selected pages only
+   (:func:`~kvlocks.attention.reference.sparse_decode`).
+
+A request whose pages all fit in the budget gets dense attention, which is what LOCKS selects
+then; it is left to the stock kernel. In a mixed batch (some requests prefilling), the stock
+kernel runs for the whole batch and the decode rows that need LOCKS are then overwritten, so a
+request's tokens do not depend on what it was batched with.
+
+Debug environment variables (read in the worker): ``KVLOCKS_VLLM_TRACE=path`` appends one JSON
+line per (layer, decode request) with the selected pages; ``KVLOCKS_VLLM_VERIFY=1`` checks that
+every summary used was built from the keys now in its page (``stale`` in the trace);
+``KVLOCKS_VLLM_IGNORE_TAGS=1`` disables the validity tags (a negative control for tests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from kvlocks.attention.reference import sparse_decode
+from kvlocks.integrations.vllm import compat
+from kvlocks.integrations.vllm.plugin import current_config
+from kvlocks.integrations.vllm.store import BlockSummaryStore
+from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
+
+log = logging.getLogger(__name__)
+
+_StockBackend, _StockImpl = compat.stock_cpu_classes()
+_SELECTOR = get_selector("locks")
+
+
+class LocksCPUAttentionImpl(_StockImpl):
+    """vLLM's CPU attention implementation with LOCKS single-token decode."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.locks = current_config()
+        self.store: BlockSummaryStore | None = None
+        self._store_key = None
+        self.layout: str | None = None  # probed at the first LOCKS step
+        self._seen_real_write = False
+        self.trace_path = os.environ.get("KVLOCKS_VLLM_TRACE") or None
+        self.verify = os.environ.get("KVLOCKS_VLLM_VERIFY") == "1"
+        self.ignore_tags = os.environ.get("KVLOCKS_VLLM_IGNORE_TAGS") == "1"
+        unsupported = self._unsupported()
+        if self.locks is not None and unsupported:
+            log.warning("kvlocks: LOCKS decode disabled for this layer (%s); it runs dense attention", unsupported)
+            self.locks = None
+
+    def _unsupported(self) -> str:
+        if self.attn_type != compat.decoder_attention_type():
+            return f"attention type {self.attn_type}"
+        if self.sliding_window not in (-1, None):
+            return f"sliding window {self.sliding_window}"
+        if self.alibi_slopes is not None:
+            return "ALiBi"
+        if self.logits_soft_cap:
+            return f"logit soft cap {self.logits_soft_cap}"
+        if self.sinks is not None:
+            return "attention sinks"
+        if self.is_fp8_kv_cache:
+            return f"kv_cache_dtype {self.kv_cache_dtype}"
+        return ""
+
+    # ------------------------------------------------------------ cache writes: validity tags
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.locks is not None:
+            self._store_for(kv_cache).note_writes(slot_mapping)
+
+    def _store_for(self, kv_cache: torch.Tensor) -> BlockSummaryStore:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+        if self._store_key != key:  # first use, or vLLM re-allocated its cache: nothing is valid
+            nb, _, bs, _ = kv_cache.shape
+            self.store = BlockSummaryStore(self.locks, nb, bs, self.num_kv_heads, self.head_size)
+            self.store.ignore_tags = self.ignore_tags
+            if self.verify:
+                self.store.enable_verification()
+            self._store_key = key
+            log.info("kvlocks: LOCKS summaries for %d blocks x %d pages: %.1f MiB per layer",
+                     nb, self.store.pages_per_block, self.store.nbytes() / 2**20)
+        return self.store
+
+    # ------------------------------------------------------------ attention
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if self.locks is None or attn_metadata is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        step = compat.step_view(attn_metadata)
+        qlen = step.query_start_loc[1:] - step.query_start_loc[:-1]  # [R]
+        total = -(-step.seq_lens // self.locks.page_size)  # pages per request
+        sparse = (qlen == 1) & (total > self.locks.pages_per_step) & step.causal  # [R]
+        if not bool(sparse.all()):
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                            output_scale, output_block_scale)
+        rows = sparse.nonzero().flatten().tolist()
+        if rows:
+            self._locks_decode(layer, query, key, kv_cache, step, rows, output)
+        return output
+
+    def _locks_decode(self, layer, query, key, kv_cache, step, rows, output) -> None:
+        """LOCKS attention for the decode requests ``rows``; writes ``output [T, Hq, D]``."""
+        if self.layout is None:
+            self.layout = compat.probe_cache_layout(compat.layer_isa(layer), kv_cache.dtype, self.num_kv_heads,
+                                                    kv_cache.shape[2], self.head_size)
+        store = self._store_for(kv_cache)
+        key_cache, value_cache = compat.split_kv_cache(kv_cache, self.num_kv_heads, self.head_size, self.layout)
+        if not self._seen_real_write and key is not None:
+            self._check_real_write(key, key_cache, step, rows[0])
+        cfg, s = self.locks, self.locks.page_size
+        hkv, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        lidx = compat.layer_index(layer)
+        for r in rows:
+            n = int(step.seq_lens[r])
+            t = int(step.query_start_loc[r])
+            total = -(-n // s)
+            pids = store.page_ids(step.block_table[r], total)  # physical page of each logical page
+            built = store.ensure(pids[: n // s], key_cache)
+            stale = store.check_fresh(pids[: n // s], key_cache) if self.verify else None
+            q = query[t].view(hkv, g, d)  # [Hkv, G, D]
+            view = LayerView(keys=query.new_zeros(()).expand(hkv, n, d),  # selection reads only N
+                             summaries=store.summaries.gather(pids[: n // s]), token_mask=None,
+                             scale=self.scale, layer=lidx)
+            pages = choose_pages(q, view, cfg, _SELECTOR)  # [Hkv, K] ascending logical pages
+            k_sel, v_sel, valid = _gather_pages(key_cache, value_cache, pids, pages, n, s)  # [Hkv, K*S, D]
+            local = torch.arange(pages.shape[-1]).expand_as(pages)  # selected pages, renumbered
+            out, _ = sparse_decode(q, k_sel, v_sel, local, s, scale=self.scale, token_mask=valid)
+            output[t] = out.reshape(hkv * g, d).to(output.dtype)  # [Hq, D]
+            if self.trace_path:
+                self._trace(lidx, n, step.block_table[r, 0], pages, built, stale)
+
+    def _check_real_write(self, key, key_cache, step, r) -> None:
+        """Once per layer: this step's key of request ``r`` must read back from the real cache."""
+        n, t, bs = int(step.seq_lens[r]), int(step.query_start_loc[r]), key_cache.shape[2]
+        got = key_cache[step.block_table[r, (n - 1) // bs], :, (n - 1) % bs]  # [Hkv, D]
+        if not torch.equal(got, key[t].to(got.dtype)):
+            raise compat.VllmCompatError(
+                f"kvlocks: the key written for position {n - 1} does not read back from the paged cache "
+                f"at block {int(step.block_table[r, (n - 1) // bs])}, row {(n - 1) % bs} "
+                f"(layout {self.layout!r}); refusing to read this cache")
+        self._seen_real_write = True
+
+    def _trace(self, lidx, n, block0, pages, built, stale) -> None:
+        rec = {"pid": os.getpid(), "layer": lidx, "seq_len": n, "block0": int(block0),
+               "pages": pages.tolist(), "built": built, "stale": stale}
+        with open(self.trace_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _gather_pages(key_cache, value_cache, pids, pages, n, s):
+    """K/V of the selected logical ``pages [Hkv, K]`` of one sequence (physical ids ``pids``).
+
+    Returns ``k_sel, v_sel [Hkv, K * S, D]`` and ``valid`` bool ``[Hkv, K * S]`` (tokens < n).
+    """
+    bs = key_cache.shape[2]
+    ppb = bs // s
+    hkv, k = pages.shape
+    phys = pids[pages]  # [Hkv, K]
+    rows = ((phys % ppb) * s).unsqueeze(-1) + torch.arange(s)  # [Hkv, K, S] row within the block
+    block = (phys // ppb).unsqueeze(-1).expand_as(rows)
+    head = torch.arange(hkv).view(hkv, 1, 1).expand_as(rows)
+    k_sel = key_cache[block, head, rows].flatten(1, 2)  # [Hkv, K*S, D]
+    v_sel = value_cache[block, head, rows].flatten(1, 2)
+    valid = ((pages * s).unsqueeze(-1) + torch.arange(s) < n).flatten(1)  # [Hkv, K*S]
+    return k_sel, v_sel, valid
+
+
+class LocksCPUAttentionBackend(_StockBackend):
+    """vLLM's ``CPU_ATTN`` backend with the LOCKS implementation (same name, layout and builder)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return LocksCPUAttentionImpl

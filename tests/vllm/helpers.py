@@ -1,0 +1,58 @@
+"""Shared helpers of the vLLM tests: run an engine or the HF path in a subprocess, read traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+WORDS = ["apple", "river", "stone", "cloud", "ember", "maple", "delta", "quartz"]
+
+
+def long_text(items: int, seed: int = 0) -> str:
+    """A synthetic key-value document with a question at the end (~17 tokens per item)."""
+    body = " ".join(f"Item {i}: the code word for box {i} is {WORDS[(i + seed) % 8]}{(i * 7 + seed) % 13}."
+                    for i in range(items))
+    return body + f" Question: what is the code word for box {items // 3}? Answer:"
+
+
+def tokenize(text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from kvlocks.models import resolve
+
+    return AutoTokenizer.from_pretrained(resolve("smollm2-135m")).encode(text)
+
+
+def _run(script: str, spec: dict, tmp: Path, name: str, env: dict | None = None, timeout: int = 600) -> dict:
+    spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    for var in ("KVLOCKS_VLLM_CONFIG", "KVLOCKS_VLLM_TRACE", "KVLOCKS_VLLM_VERIFY", "KVLOCKS_VLLM_IGNORE_TAGS"):
+        if env is None or var not in env:
+            full_env.pop(var, None)
+    log = tmp / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, str(HERE / script), str(spec_path), str(out_path)],
+                              env=full_env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f"{script} failed (rc {proc.returncode}); last log lines:\n"
+                             + "\n".join(log.read_text().splitlines()[-40:]))
+    return json.loads(out_path.read_text())
+
+
+def run_engine(spec: dict, tmp: Path, name: str, env: dict | None = None) -> dict:
+    return _run("engine_run.py", spec, tmp, name, env)
+
+
+def run_hf(spec: dict, tmp: Path, name: str) -> dict:
+    return _run("hf_ref.py", spec, tmp, name)
+
+
+def read_trace(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

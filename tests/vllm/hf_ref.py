@@ -1,0 +1,46 @@
+"""The Hugging Face path's greedy tokens and selected pages, for comparison with the vLLM backend.
+
+Run as a script (``python hf_ref.py SPEC.json OUT.json``) or call :func:`run`. It records, for
+each decode step and layer, the pages :func:`kvlocks.selection.choose_pages` returned inside
+:class:`kvlocks.integrations.hf.LocksLayer` (wrapped for the duration of the call only).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def run(prompt_ids: list[int], locks_json: str | None, max_tokens: int, dtype: str = "float32") -> dict:
+    import kvlocks.integrations.hf as hf
+    from kvlocks.config import LocksConfig
+    from kvlocks.models import load
+
+    model, _ = load("smollm2-135m", dtype=getattr(torch, dtype))
+    config = LocksConfig.from_json(locks_json) if locks_json else LocksConfig()
+    cache = hf.LocksCache(model.config, method="locks" if locks_json else "full", config=config)
+    records: list[dict] = []
+    real = hf.choose_pages
+
+    def spy(q, view, cfg, selector):
+        pages = real(q, view, cfg, selector)  # [B=1, Hkv, K]
+        records.append({"layer": view.layer, "seq_len": int(view.keys.shape[-2]), "pages": pages[0].tolist()})
+        return pages
+
+    hf.choose_pages = spy
+    try:
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, **hf.cache_kwargs(model, cache))
+    finally:
+        hf.choose_pages = real
+    return {"tokens": out[0, len(prompt_ids):].tolist(), "records": records}
+
+
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    res = run(spec["prompt_ids"], spec.get("locks"), spec["max_tokens"], spec.get("dtype", "float32"))
+    json.dump(res, open(sys.argv[2], "w"))
