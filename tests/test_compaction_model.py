@@ -19,8 +19,9 @@ from transformers import DynamicCache
 from kvlocks.compaction import CompactionConfig, exact_attention
 from kvlocks.compaction import attention as compact_attn
 from kvlocks.compaction import cachefile, serve
-from kvlocks.compaction.capture import QueryPass, ReferenceConfig, capture_queries, reference_passes
+from kvlocks.compaction.capture import capture_queries
 from kvlocks.compaction.model import compact_capture
+from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import cache_kwargs
 from kvlocks.eval.corpora import natural_units
@@ -243,6 +244,27 @@ def test_bias_attention_matches_explicit_softmax():
     assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
 
 
+def test_recorder_keeps_the_same_rows_however_a_pass_is_chunked():
+    from kvlocks.compaction.capture import QueryRecorder
+
+    q = torch.randn(1, 6, 50, 4)  # [1, Hq, L, D], Hkv = 2
+    kept = []
+    for cuts in ([50], [7, 30, 13], [1] * 50):
+        rec = QueryRecorder(6, 2, cap=40, seed=3)
+        rec.start_pass(50)
+        start = 0
+        for n in cuts:
+            rec.add(0, q[:, :, start:start + n], None)
+            start += n
+        rec.finish_pass("p")
+        kept.append(rec.passes["p"][0])
+    assert kept[0].shape == (2, 40, 4) and rec.counts["p"] == 150
+    assert torch.equal(kept[0], kept[1]) and torch.equal(kept[0], kept[2])
+    # row r of KV head h is query head 3h + r % 3 at token r // 3
+    full = q[0].reshape(2, 3, 50, 4).transpose(1, 2).reshape(2, 150, 4)
+    assert all(any(torch.equal(row, x) for x in full[0]) for row in kept[0][0])
+
+
 def test_cli_compact_then_generate_from_the_cache(tmp_path):
     from kvlocks.cli import main
 
@@ -273,7 +295,8 @@ def test_importing_the_compaction_modules_registers_nothing():
         "from transformers.masking_utils import AttentionMaskInterface\n"
         "before = (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping))\n"
         "import kvlocks.compaction.attention, kvlocks.compaction.capture, kvlocks.compaction.model\n"
-        "import kvlocks.compaction.cachefile, kvlocks.compaction.serve, kvlocks.commands.compact\n"
+        "import kvlocks.compaction.cachefile, kvlocks.compaction.serve, kvlocks.compaction.passes\n"
+        "import kvlocks.commands.compact\n"
         "after = (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping))\n"
         "assert before == after and 'kvlocks_compact' not in AttentionInterface._global_mapping\n"
     )

@@ -49,7 +49,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from kvlocks.compaction.cachefile import save
-    from kvlocks.compaction.capture import ReferenceConfig
+    from kvlocks.compaction.passes import ReferenceConfig
     from kvlocks.compaction.config import CompactionConfig
     from kvlocks.compaction.model import compact_prefix
 

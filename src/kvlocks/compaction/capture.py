@@ -18,7 +18,6 @@ the pooled rows are subsampled to ``max_queries`` with a seed, the same rows for
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -28,93 +27,9 @@ import torch
 from transformers import DynamicCache
 
 from . import attention
+from .passes import QueryPass
 
 logger = logging.getLogger(__name__)
-
-SELF_STUDY_PROMPTS = (
-    "Summarise the text above.",
-    "List the facts stated in the text above.",
-    "Write three questions that the text above answers.",
-)
-REPEAT_INSTRUCTION = "Repeat the text above, word for word."
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReferenceConfig:
-    """Which passes give reference queries (the cap and seed live in ``CompactionConfig``).
-
-    Parameters
-    ----------
-    repeat : bool
-        Add the "repeat the context" pass. Default True.
-    self_study : tuple of str
-        Self-study prompts; empty for none.
-    self_study_tokens : int
-        Greedy answer tokens decoded after each self-study prompt (their queries count); >= 0.
-    chat : bool
-        Wrap instructions in the tokenizer's chat template (a user turn plus the generation
-        prompt) instead of plain text.
-    """
-
-    repeat: bool = True
-    self_study: tuple[str, ...] = SELF_STUDY_PROMPTS
-    self_study_tokens: int = 32
-    chat: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.repeat, bool):
-            raise ValueError(f"ReferenceConfig.repeat={self.repeat!r}: must be a bool")
-        if not isinstance(self.chat, bool):
-            raise ValueError(f"ReferenceConfig.chat={self.chat!r}: must be a bool")
-        prompts = self.self_study
-        if not isinstance(prompts, tuple) or not all(isinstance(p, str) and p.strip() for p in prompts):
-            raise ValueError(f"ReferenceConfig.self_study={prompts!r}: must be a tuple of non-empty strings")
-        n = self.self_study_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"ReferenceConfig.self_study_tokens={n!r}: must be an integer >= 0")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-
-@dataclass(frozen=True)
-class QueryPass:
-    """Tokens fed after the prefix whose queries are recorded.
-
-    Attributes
-    ----------
-    name : str
-    ids : Tensor [1, L], int64
-    generate : int
-        Greedy tokens decoded after ``ids`` (their queries are recorded too).
-    """
-
-    name: str
-    ids: torch.Tensor
-    generate: int = 0
-
-
-def _instruction_ids(tokenizer, text: str, chat: bool) -> torch.Tensor:
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    else:
-        text = f"\n\n{text}\n"
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids  # [1, L]
-
-
-def reference_passes(tokenizer, prefix_ids: torch.Tensor, config: ReferenceConfig
-                     ) -> list[QueryPass]:
-    """The repeat and self-study passes of ``config`` for a prefix ``prefix_ids`` [1, T]."""
-    passes = []
-    if config.repeat:
-        head = _instruction_ids(tokenizer, REPEAT_INSTRUCTION, config.chat)
-        passes.append(QueryPass("repeat", torch.cat([head, prefix_ids.cpu()], dim=1)))
-    for i, prompt in enumerate(config.self_study):
-        ids = _instruction_ids(tokenizer, prompt, config.chat)
-        passes.append(QueryPass(f"self_study_{i}", ids, generate=config.self_study_tokens))
-    return passes
-
 
 def _rows(n: int, cap: int, seed: int) -> torch.Tensor | None:
     """Sorted random subset of ``cap`` of ``n`` rows (None: keep all)."""
@@ -127,46 +42,53 @@ def _rows(n: int, cap: int, seed: int) -> torch.Tensor | None:
 class QueryRecorder:
     """Collects pooled post-RoPE queries per layer, capped per pass (module docstring).
 
+    Each pass is announced with its token count, so its ``cap`` rows per head are drawn
+    uniformly up front and only those rows are kept as chunks arrive (memory stays at
+    ``cap`` rows per layer and pass, however long the pass).
+
     Parameters
     ----------
-    num_kv_heads : int
-        Hkv of the model.
+    num_q_heads, num_kv_heads : int
+        Hq and Hkv of the model (G = Hq / Hkv query rows per token and KV head).
     cap : int
         Rows kept per KV head and pass, and in the final pool.
     seed : int
     """
 
-    def __init__(self, num_kv_heads: int, cap: int, seed: int) -> None:
-        self.num_kv_heads, self.cap, self.seed = num_kv_heads, cap, seed
-        self._chunks: dict[int, list[torch.Tensor]] = {}
-        self._seen: dict[int, int] = {}  # rows per head of the current pass, before any cap
+    def __init__(self, num_q_heads: int, num_kv_heads: int, cap: int, seed: int) -> None:
+        self.hkv, self.group, self.cap, self.seed = num_kv_heads, num_q_heads // num_kv_heads, cap, seed
         self.passes: dict[str, dict[int, torch.Tensor]] = {}
         self.counts: dict[str, int] = {}
         self.scales: dict[int, float] = {}
+        self.start_pass(0)
+
+    def start_pass(self, num_tokens: int) -> None:
+        """Begin a pass of ``num_tokens`` query tokens: choose its kept rows."""
+        self._keep = _rows(num_tokens * self.group, self.cap, self.seed + 7919 * len(self.passes))
+        self._chunks: dict[int, list[torch.Tensor]] = {}
+        self._pos: dict[int, int] = {}  # tokens seen so far in this pass, per layer
 
     def add(self, layer: int, query: torch.Tensor, scaling: float | None) -> None:
-        """Record ``query`` [1, Hq, L, D] of ``layer``, pooled to [Hkv, G*L, D] float32."""
-        hkv = self.num_kv_heads
+        """Record ``query`` [1, Hq, L, D] of ``layer``: rows token-major, [Hkv, L*G, D] float32."""
         b, hq, length, d = query.shape
-        if b != 1:
-            raise ValueError(f"query capture needs batch size 1, got queries {tuple(query.shape)}")
-        q = query[0].detach().reshape(hkv, (hq // hkv) * length, d)  # [Hkv, G*L, D]
-        self._seen[layer] = self._seen.get(layer, 0) + q.shape[1]
-        rows = _rows(q.shape[1], self.cap, self.seed + 7919 * len(self.passes))
-        q = q if rows is None else q[:, rows.to(q.device)]
+        if b != 1 or hq != self.hkv * self.group:
+            raise ValueError(f"query capture needs batch size 1 and Hq={self.hkv * self.group}, "
+                             f"got queries {tuple(query.shape)}")
+        q = query[0].detach().reshape(self.hkv, self.group, length, d)  # [Hkv, G, L, D]
+        q = q.transpose(1, 2).reshape(self.hkv, length * self.group, d)  # [Hkv, L*G, D]
+        first = self._pos.get(layer, 0) * self.group
+        self._pos[layer] = self._pos.get(layer, 0) + length
+        if self._keep is not None:
+            inside = (self._keep >= first) & (self._keep < first + q.shape[1])
+            q = q[:, (self._keep[inside] - first).to(q.device)]
         self._chunks.setdefault(layer, []).append(q.to("cpu", torch.float32))
         self.scales[layer] = float(scaling) if scaling is not None else d ** -0.5
 
     def finish_pass(self, name: str) -> None:
-        """Close the current pass: pool its chunks per layer and cap them."""
-        kept = {}
-        for layer, chunks in self._chunks.items():
-            q = torch.cat(chunks, dim=1)  # [Hkv, m, D]
-            self.counts[name] = self._seen[layer]
-            rows = _rows(q.shape[1], self.cap, self.seed + 104729 * (len(self.passes) + 1))
-            kept[layer] = q if rows is None else q[:, rows]
-        self.passes[name] = kept
-        self._chunks, self._seen = {}, {}
+        """Close the current pass: its kept rows per layer, [Hkv, m <= cap, D]."""
+        self.passes[name] = {layer: torch.cat(c, dim=1) for layer, c in self._chunks.items()}
+        self.counts[name] = max(self._pos.values(), default=0) * self.group
+        self.start_pass(0)
 
     def pooled(self, layer: int) -> torch.Tensor:
         """All passes of ``layer`` pooled and subsampled: [Hkv, n <= cap, D] float32."""
@@ -248,9 +170,17 @@ def check_prefix_ids(prefix_ids) -> torch.Tensor:
     return ids.to(torch.int64)
 
 
+# Passes after the prefix run in chunks: a one-shot 8K-token repeat pass over a 16K cache made
+# SDPA materialise a [Hq, 8K, 16K] float mask and scores (about 5 GB per layer on the bundled
+# model); 1024-token chunks bound that to about 0.6 GB and record the same queries.
+PASS_CHUNK = 1024
+
+
 @torch.inference_mode()
-def _run_pass(model, cache: RecordingCache, ids: torch.Tensor, generate: int) -> None:
-    out = model(input_ids=ids.to(model.device), cache=cache, use_cache=True)
+def _run_pass(model, cache: RecordingCache, ids: torch.Tensor, generate: int, chunk: int) -> None:
+    ids = ids.to(model.device)
+    for start in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True)
     for _ in range(generate):
         nxt = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
         out = model(input_ids=nxt, cache=cache, use_cache=True)
@@ -282,14 +212,16 @@ def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
         raise ValueError(f"max_queries={max_queries!r}: must be an integer >= 1")
     start = time.perf_counter()
     text = model.config.get_text_config(decoder=True)
-    recorder = QueryRecorder(text.num_key_value_heads, max_queries, seed)
+    recorder = QueryRecorder(text.num_attention_heads, text.num_key_value_heads, max_queries, seed)
     cache = RecordingCache(model.config, recorder)
     num = ids.shape[1]
     with attention.using(model):
         for p in [QueryPass("context", ids)] + list(passes):
             if progress is not None:
                 progress(p.name)
-            _run_pass(model, cache, p.ids, p.generate)
+            recorder.start_pass(p.ids.shape[1] + p.generate)
+            first = cache.get_seq_length() == 0  # the prefix itself: one causal prefill
+            _run_pass(model, cache, p.ids, p.generate, p.ids.shape[1] if first else PASS_CHUNK)
             recorder.finish_pass(p.name)
             cache.crop(num - cache.get_seq_length())  # back to the T prefix tokens
             logger.info("captured %s: %d queries per KV head", p.name, recorder.counts[p.name])

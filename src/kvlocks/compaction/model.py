@@ -21,8 +21,9 @@ from typing import Callable
 import torch
 
 from .api import compact_layer
-from .capture import Capture, ReferenceConfig, capture_queries, check_prefix_ids, reference_passes
+from .capture import Capture, capture_queries, check_prefix_ids
 from .config import CompactionConfig
+from .passes import ReferenceConfig, reference_passes
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class CompactedPrefix:
     method : str
     config : CompactionConfig
     reference : str
-        JSON of the :class:`~.capture.ReferenceConfig` used ("{}" if unknown).
+        JSON of the :class:`~.passes.ReferenceConfig` used ("{}" if unknown).
     model : ModelInfo
     compact_seconds : float
         Capture plus compaction wall time (0 if unknown).
@@ -229,7 +230,7 @@ def compact_prefix(model, tokenizer, prefix_ids: torch.Tensor, config: Compactio
     """Capture reference queries for ``prefix_ids`` [1, T] and compact the model's cache of it.
 
     Uses ``config.max_queries`` and ``config.seed`` for the query cap and subsample, and the
-    passes of ``reference`` (default :class:`~.capture.ReferenceConfig`). See
+    passes of ``reference`` (default :class:`~.passes.ReferenceConfig`). See
     :func:`~.capture.capture_queries` and :func:`compact_capture`.
     """
     ids = check_prefix_ids(prefix_ids)
