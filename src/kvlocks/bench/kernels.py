@@ -36,6 +36,12 @@ SHAPES = {  # Hkv, G, D, layers
     "llama3-8b": (8, 4, 128, 32),
     "glm4-9b-1m": (4, 8, 128, 40),
 }
+# score-kernel variants measured beside the (autotuned) default at the largest context, batch 1
+SCORE_VARIANTS = {
+    "x_score_v1_nw4": {"impl": "v1", "launch": {"num_warps": 4}},
+    **{f"x_score_mma_b{b}_w{w}_s{st}": {"launch": {"BLOCK": b, "num_warps": w, "num_stages": st}}
+       for b, w, st in ((16, 4, 1), (16, 4, 3), (32, 4, 2), (16, 8, 2), (32, 8, 3))},
+}
 METHODS = ("dense_sdpa", "dense_splitk", "locks_score", "locks_select", "locks_attend", "locks_total", "build")
 
 
@@ -178,8 +184,9 @@ def _bytes(case, k_pages):
     summ = rows * case.p * case.store.bytes_per_page_head()
     select = rows * case.p * 4
     attend = rows * k_pages * kv_page
-    return {"x_score_combine": rows * case.p * 4 * (case.g + 1), "x_launch_floor": 4,
-            "x_score_nw4": summ, "x_score_maxnreg128": summ, "x_splitk_ppi8_nw8": rows * case.p * kv_page,
+    variants = {name: summ for name in SCORE_VARIANTS}
+    return {**variants, "x_score_combine": rows * case.p * 4 * (case.g + 1), "x_launch_floor": 4,
+            "x_splitk_ppi8_nw8": rows * case.p * kv_page,
             "dense_sdpa": rows * case.p * kv_page, "dense_splitk": rows * case.p * kv_page, "locks_score": summ,
             "locks_select": select, "locks_attend": attend, "locks_total": summ + select + attend}
 
@@ -210,8 +217,7 @@ def _methods(case, device):
 
     sw = plan.ws["score"]
     empty = torch.empty(1, device=device)
-    sw4 = dict(sw, launch={"num_warps": 4})
-    sw128 = dict(sw, launch={"num_warps": 8, "maxnreg": 128})
+    variants = {name: dict(sw, **ws) for name, ws in SCORE_VARIANTS.items()}
     dense8 = attention_workspace(case.bsz, case.hkv * case.g, case.d, case.p, case.bsz * case.hkv,
                                  torch.bfloat16, device, ppi=8)
     dense8["launch"] = {"num_warps": 8, "num_stages": 2}
@@ -219,9 +225,8 @@ def _methods(case, device):
         "x_score_combine": lambda r: _combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size,
                                                      c.combine),
         "x_launch_floor": lambda r: empty.add_(1.0),
-        "x_score_nw4": lambda r: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=sw4),
-        "x_score_maxnreg128": lambda r: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq,
-                                                          workspace=sw128),
+        **{name: (lambda r, w=w: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=w))
+           for name, w in variants.items()},
         "x_splitk_ppi8_nw8": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
                                                     workspace=dense8),
     }
@@ -239,6 +244,14 @@ def _methods(case, device):
     }
 
 
+def _tuned_score_config() -> str | None:
+    """The launch configuration the score kernel's autotuner chose last (None on the CPU)."""
+    from kvlocks.scoring.triton import _score_mma_tuned
+
+    best = getattr(_score_mma_tuned, "best_config", None)
+    return None if best is None else str(best)
+
+
 def _n_rot(shape, n, bsz, cfg, l2_bytes):
     hkv, _, d, _ = SHAPES[shape]
     p = n // cfg.page_size
@@ -250,7 +263,7 @@ def _n_rot(shape, n, bsz, cfg, l2_bytes):
     return n_rot, n_rot * per_rot_all <= cfg.mem_limit_gib * 2**30
 
 
-def _time_build(case, layers, cfg, device):
+def _time_build(case, layers, cfg, device, solver="jacobi"):
     """Whole-model build at batch 1: ``layers`` launches over every page of the context.
 
     Returns (total us, per-layer us, extrapolated): a subset of pages is built first; when a
@@ -264,7 +277,7 @@ def _time_build(case, layers, cfg, device):
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):
-            build_pages(case.kc, case.store, ids)
+            build_pages(case.kc, case.store, ids, solver=solver)
         sync()
         return time.perf_counter() - t0
 
@@ -333,16 +346,19 @@ def run_kernels_bench(out_dir, config: KernelBenchConfig | None = None, *, devic
                     for name, fn in methods.items():
                         try:
                             t, eager = timer(fn, n_rot, cfg)
+                            extra = {"tuned": _tuned_score_config()} if name == "locks_score" else {}
                             emit(**key, method=name, time_us=t, bytes_read=nbytes[name], time_us_eager=eager,
-                                 rotations=n_rot)
+                                 rotations=n_rot, **extra)
                         except Exception as e:  # one failing method must not sink the run
                             errors.append({**key, "method": name, "error": repr(e)[:500]})
                             log.exception("%s failed", name)
                     if bsz == 1 and "build" in METHODS:
                         layers = SHAPES[shape][3]
-                        t, per_layer, extrap = _time_build(case, layers, cfg, device)
-                        emit(**key, method="build", time_us=t, layers=layers, per_layer_us=per_layer,
-                             extrapolated=extrap, bytes_read=layers * case.p * case.hkv * cfg.page_size * case.d * 2)
+                        for name, solver in (("build", "jacobi"), ("x_build_eigh", "eigh")):
+                            t, per_layer, extrap = _time_build(case, layers, cfg, device, solver)
+                            emit(**key, method=name, time_us=t, layers=layers, per_layer_us=per_layer,
+                                 extrapolated=extrap, solver=solver,
+                                 bytes_read=layers * case.p * case.hkv * cfg.page_size * case.d * 2)
                 except Exception as e:
                     errors.append({**key, "error": repr(e)[:500]})
                     log.exception("case %s failed", key)

@@ -134,6 +134,91 @@ def _score_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, 
 
 
 @triton.jit
+def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr,
+                      censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
+                      Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
+                      GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                      RP: tl.constexpr, BLOCK: tl.constexpr, DOT_DT: tl.constexpr, C_DT: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """Three tensor-core dots per step of BLOCK pages, q^T loaded once per program.
+
+    1. projections: the basis bytes of BLOCK pages as a ``[BLOCK * RP, D / 2]`` tile (rows past R
+       masked to zero, RP = 16), nibbles sign-extended and interleaved back to ``[BLOCK * RP, D]``
+       (element 2i = low nibble), times q^T ``[D, GP]``;
+    2. centroid term: ``[BLOCK, D]`` int8 times q^T;
+    3. per-page contraction with the coefficients as a batched dot
+       ``[BLOCK, S, RP] x [BLOCK, RP, GP]`` (int8 coefficients exact in C_DT; for float16 the
+       projections are split into two float16 parts, two dots, so no precision is lost), then the
+       key scales, the centroid term and the log-sum-exp over the S keys in float32.
+    """
+    pid_c = tl.program_id(0)
+    row = tl.program_id(1)  # b * Hkv + h
+    b = row // Hkv
+    h = row % Hkv
+    pc = tl.load(seqlen_ptr + b) // S
+    g = tl.arange(0, GP)
+    dd = tl.arange(0, D)
+    qt = tl.load(q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh + dd[:, None], mask=(g < G)[None, :],
+                 other=0.0).to(DOT_DT)  # [D, GP]
+    m = tl.arange(0, BLOCK * RP)
+    mp = m // RP
+    mr = m % RP
+    jj = tl.arange(0, D // 2)
+    s_idx = tl.arange(0, S)
+    r_idx = tl.arange(0, RP)
+    pb = tl.arange(0, BLOCK)
+    m_run = tl.full([GP], float("-inf"), tl.float32)
+    l_run = tl.zeros([GP], tl.float32)
+    start = pid_c * pages_per_prog
+    end = tl.minimum(start + pages_per_prog, pc)
+    btr = bt_ptr + b.to(tl.int64) * stride_bt
+    for p0 in range(start, end, BLOCK):
+        p = p0 + pb
+        pmask = p < end
+        ph = tl.load(btr + p, mask=pmask, other=0).to(tl.int64) * Hkv + h  # (page, head) record [BLOCK]
+        mmask = ((p0 + mp) < end) & (mr < R)
+        ph_m = tl.load(btr + p0 + mp, mask=mmask, other=0).to(tl.int64) * Hkv + h  # [BLOCK * RP]
+        by = tl.load(basis_ptr + (ph_m * R + mr)[:, None] * (D // 2) + jj[None, :], mask=mmask[:, None],
+                     other=0).to(tl.int32)  # [BLOCK * RP, D / 2] bytes
+        x = tl.interleave((by << 28) >> 28, (by << 24) >> 28).to(tl.float32).to(DOT_DT)  # [BLOCK * RP, D]
+        proj = tl.dot(x, qt, input_precision=PRECISION)  # [BLOCK * RP, GP]
+        bsc = tl.load(bscale_ptr + ph_m * R + mr, mask=mmask, other=0.0).to(tl.float32)
+        proj = tl.reshape(proj * bsc[:, None], (BLOCK, RP, GP))
+        cen = tl.load(cen_ptr + ph[:, None] * D + dd[None, :], mask=pmask[:, None], other=0).to(tl.float32)
+        qmu = tl.dot(cen.to(DOT_DT), qt, input_precision=PRECISION)  # [BLOCK, GP]
+        qmu = qmu * tl.load(censcale_ptr + ph, mask=pmask, other=0.0).to(tl.float32)[:, None]
+        c = tl.load(coef_ptr + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + r_idx[None, None, :],
+                    mask=pmask[:, None, None] & (r_idx < R)[None, None, :], other=0).to(tl.float32).to(C_DT)
+        if C_DT == tl.float16:  # proj as an exact-to-~2^-22 sum of two float16 parts: float32 accuracy
+            hi = proj.to(tl.float16)
+            acc = tl.dot(c, hi)
+            acc = tl.dot(c, (proj - hi.to(tl.float32)).to(tl.float16), acc=acc)  # [BLOCK, S, GP]
+        else:
+            acc = tl.dot(c, proj, input_precision=PRECISION)
+        cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
+        logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
+        mx = tl.max(logit, axis=1)
+        lse2 = mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))  # [BLOCK, GP]
+        out_off = (row * G + g)[None, :].to(tl.int64) * max_pages + p[:, None]
+        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & (g < G)[None, :])
+        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
+        m_run = m_new
+    st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GB + g
+    tl.store(st, m_run, mask=g < GB)
+    tl.store(st + GB, l_run, mask=g < GB)
+
+
+# On CUDA the step size and launch shape are tuned once per (shape, pages per program), at the first
+# call (the decode plan's warm-up, before any graph capture); ws["launch"] pins one instead.
+_MMA_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
+                for b in (16, 32) for w in (4, 8) for st in (1, 2, 3)]
+_score_mma_tuned = triton.autotune(_MMA_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_mma_kernel)
+
+
+@triton.jit
 def _combine_kernel(scores_ptr, stats_ptr, seqlen_ptr, ranking_ptr, lse_ptr, Hkv, G, max_pages, n_chunks,
                     pages_per_prog, S: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr,
                     BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -237,6 +322,19 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     prec = "ieee" if queries.dtype == torch.float32 else "tf32"
     rows = bsz * hkv
+    if ws.get("impl", "mma") == "mma":
+        launch = ws.get("launch")
+        kernel = _score_mma_kernel if launch or not queries.is_cuda else _score_mma_tuned
+        kernel[(ws["n_chunks"], rows)](
+            queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
+            summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
+            seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
+            GP=max(16, gb), GB=gb, D=d, S=s, R=r, RP=max(16, triton.next_power_of_2(r)),
+            DOT_DT=dot_dtype(queries.dtype), C_DT=tl.float32 if queries.dtype == torch.float32 else tl.float16,
+            PRECISION=prec, **(launch or ({} if queries.is_cuda else {"BLOCK": 16})),
+        )
+        _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
+        return ws["scores"], ws["lse"], ws["ranking"]
     _score_kernel[(ws["n_chunks"], rows)](
         queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
         summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
