@@ -85,6 +85,19 @@ def test_score_matches_reference(lens, g, d, dtype, rule):
             assert torch.allclose(xb, yb, rtol=1e-4, atol=1e-4 * max(1.0, float(yb.abs().max()) if pc else 1.0)), name
 
 
+@pytest.mark.parametrize("rank", [4, 16])  # 4: the padded fallback kernel; 16: the lean kernel without padding
+def test_score_matches_reference_other_ranks(rank):
+    cfg = LocksConfig(rank=rank)
+    q, k, _, table, seq = make_paged(LENS["c"], 2, 4, 64, BF16)
+    store = built_store(k, table, seq, cfg)
+    got = score_pages(q, store, table, seq, backend="triton")
+    exp = score_pages(q, store, table, seq, backend="torch")
+    for b in range(len(seq)):
+        pc = int(seq[b]) // S
+        x, y = got[0][b, ..., :pc], exp[0][b, ..., :pc]
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-4 * max(1.0, float(y.abs().max()))), rank
+
+
 def test_score_adapters_same_signature():
     pages = torch.randn(2, 5, S, 64, device=DEV)
     summ = build_summaries(pages, LocksConfig())
@@ -175,10 +188,8 @@ def _recon(s):
     return s.centroid_float()[..., None, :] + s.coef_float() @ s.basis_float()
 
 
-@pytest.mark.parametrize("d,dtype,rank,solver", [(64, F32, 0, "jacobi"), (128, BF16, 0, "jacobi"),
-                                                 (128, F32, 5, "jacobi"), (64, F16, 12, "jacobi"),
-                                                 (128, BF16, 0, "eigh"), (64, F32, 5, "eigh")])
-def test_build_matches_reference(d, dtype, rank, solver):
+@pytest.mark.parametrize("d,dtype,rank", [(64, F32, 0), (128, BF16, 0), (128, F32, 5), (64, F16, 12)])
+def test_build_matches_reference(d, dtype, rank):
     gen = torch.Generator().manual_seed(d + rank)
     lead, p = (2,), (3 if not CUDA else 500)
     if rank:  # low-rank pages: the subspace is exact and unique
@@ -188,7 +199,7 @@ def test_build_matches_reference(d, dtype, rank, solver):
         keys = torch.randn(*lead, p, S, d, generator=gen)
     keys = keys.to(dtype).to(DEV)
     cfg = LocksConfig()
-    got = _cpu(build_tri.build_summaries(keys, cfg, solver=solver))
+    got = _cpu(build_tri.build_summaries(keys, cfg))
     keys = keys.cpu()
     ref = build_summaries(keys, cfg)
     kf = keys.float()

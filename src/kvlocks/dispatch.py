@@ -101,17 +101,13 @@ def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *,
     return out, lse
 
 
-def build_pages(k_cache, summaries: PagedSummaries, page_ids, config: LocksConfig, *, backend=None,
-                solver="jacobi"):
-    """Build the summaries of physical pages ``page_ids [N]`` (all KV heads) into ``summaries``.
-
-    ``solver`` (Triton backend): ``"jacobi"`` (in-kernel, graph-capturable) or ``"eigh"`` (batched
-    ``torch.linalg.eigh`` for the eigenpairs; for bulk builds after prefill, see docs/kernels.md)."""
+def build_pages(k_cache, summaries: PagedSummaries, page_ids, config: LocksConfig, *, backend=None):
+    """Build the summaries of physical pages ``page_ids [N]`` (all KV heads) into ``summaries``."""
     check_kernel_config(config, k_cache.shape[-1])
     if resolve_backend(backend, k_cache.device) == "triton":
         from kvlocks.summary.triton import build_pages as tri
 
-        return tri(k_cache, summaries, page_ids.to(torch.int32), solver=solver)
+        return tri(k_cache, summaries, page_ids.to(torch.int32))
     ids = page_ids.long()
     ids = ids[ids >= 0]
     if ids.numel():

@@ -38,9 +38,9 @@ SHAPES = {  # Hkv, G, D, layers
 }
 # score-kernel variants measured beside the (autotuned) default at the largest context, batch 1
 SCORE_VARIANTS = {
-    "x_score_v1_nw4": {"impl": "v1", "launch": {"num_warps": 4}},
-    **{f"x_score_mma_b{b}_w{w}_s{st}": {"launch": {"BLOCK": b, "num_warps": w, "num_stages": st}}
-       for b, w, st in ((16, 4, 1), (16, 4, 3), (32, 4, 2), (16, 8, 2), (32, 8, 3))},
+    "x_score_mma_tuned": {"impl": "mma"},
+    **{f"x_score_lean_b{b}_w{w}_s{st}": {"launch": {"BLOCK": b, "num_warps": w, "num_stages": st}}
+       for b, w, st in ((8, 4, 1), (16, 4, 1), (16, 4, 2), (32, 4, 2), (16, 8, 2), (32, 8, 2))},
 }
 METHODS = ("dense_sdpa", "dense_splitk", "locks_score", "locks_select", "locks_attend", "locks_total", "build")
 
@@ -246,9 +246,17 @@ def _methods(case, device):
 
 def _tuned_score_config() -> str | None:
     """The launch configuration the score kernel's autotuner chose last (None on the CPU)."""
-    from kvlocks.scoring.triton import _score_mma_tuned
+    from kvlocks.scoring.triton import _score_lean_tuned
 
-    best = getattr(_score_mma_tuned, "best_config", None)
+    best = getattr(_score_lean_tuned, "best_config", None)
+    return None if best is None else str(best)
+
+
+def _tuned_build_config() -> str | None:
+    """The launch configuration the bulk build kernel's autotuner chose last (None on the CPU)."""
+    from kvlocks.summary.triton import _build_tuned
+
+    best = getattr(_build_tuned, "best_config", None)
     return None if best is None else str(best)
 
 
@@ -263,7 +271,7 @@ def _n_rot(shape, n, bsz, cfg, l2_bytes):
     return n_rot, n_rot * per_rot_all <= cfg.mem_limit_gib * 2**30
 
 
-def _time_build(case, layers, cfg, device, solver="jacobi"):
+def _time_build(case, layers, cfg, device):
     """Whole-model build at batch 1: ``layers`` launches over every page of the context.
 
     Returns (total us, per-layer us, extrapolated): a subset of pages is built first; when a
@@ -277,7 +285,7 @@ def _time_build(case, layers, cfg, device, solver="jacobi"):
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):
-            build_pages(case.kc, case.store, ids, solver=solver)
+            build_pages(case.kc, case.store, ids)
         sync()
         return time.perf_counter() - t0
 
@@ -354,11 +362,10 @@ def run_kernels_bench(out_dir, config: KernelBenchConfig | None = None, *, devic
                             log.exception("%s failed", name)
                     if bsz == 1 and "build" in METHODS:
                         layers = SHAPES[shape][3]
-                        for name, solver in (("build", "jacobi"), ("x_build_eigh", "eigh")):
-                            t, per_layer, extrap = _time_build(case, layers, cfg, device, solver)
-                            emit(**key, method=name, time_us=t, layers=layers, per_layer_us=per_layer,
-                                 extrapolated=extrap, solver=solver,
-                                 bytes_read=layers * case.p * case.hkv * cfg.page_size * case.d * 2)
+                        t, per_layer, extrap = _time_build(case, layers, cfg, device)
+                        emit(**key, method="build", time_us=t, layers=layers, per_layer_us=per_layer,
+                             extrapolated=extrap, tuned=_tuned_build_config(),
+                             bytes_read=layers * case.p * case.hkv * cfg.page_size * case.d * 2)
                 except Exception as e:
                     errors.append({**key, "error": repr(e)[:500]})
                     log.exception("case %s failed", key)

@@ -2,20 +2,20 @@
 
 Two launches per layer and step, grid sizes fixed by the plan (no host sync, graph-capturable):
 
-1. ``_score_kernel``, grid ``(chunks, B * Hkv)``: each program reads the int4/int8 summaries of a
+1. the score kernel, grid ``(chunks, B * Hkv)``: each program reads the int4/int8 summaries of a
    run of pages *once* and scores them for all G query heads of its KV head, BLOCK pages per
-   step. A page's R basis rows are one tile of words (16 words per row); nibble phase k of every
-   word meets the matching phase of q^T in a ``tl.dot`` with M = BLOCK * R, N = GP, K = 16; the
-   centroid term is the same with int8 bytes. The dot's padding columns (GP = G padded to 16)
-   are dropped to GB = next_pow2(G) before the R-term contraction with the coefficients (read as
-   one 8-byte word per key) and the length-S log-sum-exp, which run on CUDA cores in float32. It
-   writes the per-head page scores and, per program, each head's running (max, sum-exp) over its
-   pages: what the share normalisation needs.
+   step, with three tensor-core dots per step (basis projections of q, the centroid term, and the
+   per-page contraction with the coefficients as a batched dot), then the length-S log-sum-exp in
+   float32. It writes the per-head page scores and, per program, each head's running
+   (max, sum-exp) over its pages: what the share normalisation needs. Two variants:
+   ``_score_lean_kernel`` (rank 8, 16, 32; no int-to-float conversions, see its docstring) and
+   ``_score_mma_kernel`` (any rank; basis rows padded to 16). On CUDA the step size and launch
+   shape are autotuned per shape at the first call (before any graph capture).
 2. ``_combine_kernel``, grid ``(chunks2, B * Hkv)``: reduces the per-program statistics to each
    head's log-sum-exp over all pages, then turns the per-head scores into the combined ranking
    (``mean_share`` Eq. 5, ``max_share`` or ``sum_mass``).
 
-The dots run in the query dtype (int4/int8 payloads are exact in it) with float32 accumulation.
+Float32 accumulation throughout; the payloads are small integers, exact in every dot dtype used.
 H200 measurements and the analysis of this kernel's speed: ``docs/kernels.md``.
 """
 
@@ -35,102 +35,9 @@ LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)
 _LOG2E = tl.constexpr(LOG2E)
 RULES = {"mean_share": 0, "max_share": 1, "sum_mass": 2}
-MAX_BLOCK = 32  # pages per inner step at most (see _block_pages)
-_WORD = {64: tl.int16, 128: tl.int32}  # basis word: 16 words (of D/16 nibbles) per basis vector
-
-
-def _block_pages(group: int, rank: int, page_size: int) -> int:
-    """Pages per inner step: keeps the ``[BLOCK, S, R, GB]`` contraction at 8192 elements (32 per
-    thread at 8 warps) and the projection dot's M = BLOCK * R >= 16."""
-    gb = triton.next_power_of_2(group)
-    blk = max(1, 8192 // (page_size * rank * gb))
-    blk = 1 << (blk.bit_length() - 1)  # power of two
-    return max(min(blk, MAX_BLOCK), triton.next_power_of_2(-(-16 // rank)))
-
-
-@triton.jit
-def _score_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr,
-                  censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
-                  Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
-                  GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
-                  BLOCK: tl.constexpr, CB: tl.constexpr, WDT: tl.constexpr, DOT_DT: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    pid_c = tl.program_id(0)
-    row = tl.program_id(1)  # b * Hkv + h
-    b = row // Hkv
-    h = row % Hkv
-    pc = tl.load(seqlen_ptr + b) // S  # full (summarised) pages of this sequence
-    g = tl.arange(0, GP)
-    q_col = q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh  # [1, GP]
-    qm = (g < G)[None, :]
-    gb = tl.arange(0, GB)
-    w16 = tl.arange(0, 16)
-    wc = tl.arange(0, D // 4)
-    s_idx = tl.arange(0, S)
-    m = tl.arange(0, BLOCK * R)  # basis row (page m // R, vector m % R)
-    cb = tl.arange(0, CB)
-    words_ptr = basis_ptr.to(tl.pointer_type(WDT))
-    cen_words = cen_ptr.to(tl.pointer_type(tl.int32))
-    m_run = tl.full([GB], float("-inf"), tl.float32)
-    l_run = tl.zeros([GB], tl.float32)
-    start = pid_c * pages_per_prog
-    end = tl.minimum(start + pages_per_prog, pc)
-    btr = bt_ptr + b.to(tl.int64) * stride_bt
-    for p0 in range(start, end, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        pmask = p < end
-        mm = (p0 + m // R) < end
-        cm = (cb < BLOCK) & (p0 + cb < end)
-        ph = tl.load(btr + p, mask=pmask, other=0).to(tl.int64) * Hkv + h  # (page, head) record [BLOCK]
-        ph_m = tl.load(btr + p0 + m // R, mask=mm, other=0).to(tl.int64) * Hkv + h
-        ph_c = tl.load(btr + p0 + cb, mask=cm, other=0).to(tl.int64) * Hkv + h
-        # word-wide loads (4 B for D=128): a page's basis is 512 contiguous bytes, 16 words per vector
-        words = tl.load(words_ptr + (ph_m * R + m % R)[:, None] * 16 + w16[None, :], mask=mm[:, None],
-                        other=0).to(tl.int32)  # [BLOCK * R, 16]
-        cwords = tl.load(cen_words + ph_c[:, None] * (D // 4) + wc[None, :], mask=cm[:, None], other=0)  # [CB, D/4]
-        if R == 8:  # a key's 8 coefficients are one 8-byte word
-            cq = tl.load(coef_ptr.to(tl.pointer_type(tl.int64)) + ph[:, None] * S + s_idx[None, :],
-                         mask=pmask[:, None], other=0)  # [BLOCK, S]
-            c = ((cq[:, :, None] << (56 - 8 * tl.arange(0, R))[None, None, :]) >> 56).to(tl.float32)
-        else:
-            c = tl.load(coef_ptr + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R
-                        + tl.arange(0, R)[None, None, :], mask=pmask[:, None, None], other=0).to(tl.float32)
-        cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
-        bsc = tl.load(bscale_ptr + ph_m * R + m % R, mask=mm, other=0.0).to(tl.float32)
-        msc = tl.load(censcale_ptr + ph_c, mask=cm, other=0.0).to(tl.float32)
-        # projections on the basis: nibble k of word w is element (D // 16) * w + k; q^T phase k: [16, GP]
-        proj = tl.zeros([BLOCK * R, GP], tl.float32)
-        for k in tl.static_range(D // 16):  # D // 16 nibbles per word
-            x = ((words << (28 - 4 * k)) >> 28).to(tl.float32).to(DOT_DT)  # sign-extended nibble
-            qk = tl.load(q_col + ((D // 16) * w16 + k)[:, None], mask=qm, other=0.0).to(DOT_DT)
-            proj = tl.dot(x, qk, acc=proj, input_precision=PRECISION)
-        proj = proj * bsc[:, None]  # [BLOCK * R, GP]
-        qmu = tl.zeros([CB, GP], tl.float32)
-        for k in tl.static_range(4):
-            x = ((cwords << (24 - 8 * k)) >> 24).to(tl.float32).to(DOT_DT)  # int8 centroid, byte k
-            qk = tl.load(q_col + (4 * wc + k)[:, None], mask=qm, other=0.0).to(DOT_DT)
-            qmu = tl.dot(x, qk, acc=qmu, input_precision=PRECISION)
-        qmu = qmu * msc[:, None]  # [CB, GP]
-        if GB < GP:  # drop the dot's padding columns: they are exactly zero (zero query rows)
-            proj = tl.sum(tl.reshape(proj, (BLOCK * R, GP // GB, GB)), axis=1)
-            qmu = tl.sum(tl.reshape(qmu, (CB, GP // GB, GB)), axis=1)
-        if CB > BLOCK:  # and the centroid dot's padding rows
-            qmu = tl.sum(tl.reshape(qmu, (CB // BLOCK, BLOCK, GB)), axis=0)
-        proj = tl.reshape(proj, (BLOCK, R, GB))
-        acc = tl.sum(c[:, :, :, None] * proj[:, None, :, :], axis=2)  # [BLOCK, S, GB] = sum_r c * proj
-        logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
-        mx = tl.max(logit, axis=1)
-        lse2 = mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))  # [BLOCK, GB]
-        out_off = (row * G + gb)[None, :].to(tl.int64) * max_pages + p[:, None]
-        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & (gb < G)[None, :])
-        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
-        m_run = m_new
-    st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GB + gb
-    tl.store(st, m_run)
-    tl.store(st + GB, l_run)
+MAX_BLOCK = 32  # pages per inner step at most (pages per program are a multiple of it)
+HEAD_DIMS = (64, 128)
+LEAN_RANKS = (8, 16, 32)  # ranks of the lean kernel; others take the padded "mma" kernel
 
 
 @triton.jit
@@ -216,6 +123,99 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
 _MMA_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
                 for b in (16, 32) for w in (4, 8) for st in (1, 2, 3)]
 _score_mma_tuned = triton.autotune(_MMA_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_mma_kernel)
+
+
+@triton.jit
+def _bits_to_f32(x, bias: tl.constexpr):
+    """Small non-negative int32 ``x`` (< 2**23) to float32 ``x - bias`` without an int-to-float
+    conversion: OR-ing it into the mantissa of 2**23 gives exactly 2**23 + x."""
+    return (x | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+
+@triton.jit
+def _score_lean_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr,
+                       censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
+                       Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
+                       GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                       BLOCK: tl.constexpr, PREC_PROJ: tl.constexpr, PREC_COEF: tl.constexpr):
+    """Like ``_score_mma_kernel`` with fewer instructions per page (R = 8, 16 or 32):
+
+    - no int-to-float conversions: int4/int8 payloads become float32 by mantissa bit tricks
+      (:func:`_bits_to_f32`; two's complement made offset-binary by one XOR), and the dots run
+      on float32 operands in tf32, which is exact here (small integers, bfloat16/float16 queries);
+    - no padded basis rows and no nibble interleave: the projection is two dots with K = D/2,
+      low nibbles (even elements) against q's even half, high nibbles against its odd half;
+    - for R = 8 the coefficient dot's K is padded to 16 by interleaving zero rows into the
+      projections (join) and reading each coefficient at column 2r.
+    """
+    pid_c = tl.program_id(0)
+    row = tl.program_id(1)  # b * Hkv + h
+    b = row // Hkv
+    h = row % Hkv
+    pc = tl.load(seqlen_ptr + b) // S
+    g = tl.arange(0, GP)
+    jj = tl.arange(0, D // 2)
+    dd = tl.arange(0, D)
+    q_row = q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh
+    qm = (g < G)[None, :]
+    q_even = tl.load(q_row + 2 * jj[:, None], mask=qm, other=0.0).to(tl.float32)  # [D/2, GP]
+    q_odd = tl.load(q_row + 2 * jj[:, None] + 1, mask=qm, other=0.0).to(tl.float32)
+    q_all = tl.load(q_row + dd[:, None], mask=qm, other=0.0).to(tl.float32)  # [D, GP]
+    KR: tl.constexpr = 16 if R < 16 else R  # the coefficient dot's K
+    m = tl.arange(0, BLOCK * R)
+    mp = m // R
+    mr = m % R
+    s_idx = tl.arange(0, S)
+    kk = tl.arange(0, KR)
+    k_ok = (kk % (KR // R)) == 0  # R = 8: coefficient r sits at column 2r, odd columns meet zero rows
+    pb = tl.arange(0, BLOCK)
+    m_run = tl.full([GP], float("-inf"), tl.float32)
+    l_run = tl.zeros([GP], tl.float32)
+    start = pid_c * pages_per_prog
+    end = tl.minimum(start + pages_per_prog, pc)
+    btr = bt_ptr + b.to(tl.int64) * stride_bt
+    for p0 in range(start, end, BLOCK):
+        p = p0 + pb
+        pmask = p < end
+        ph = tl.load(btr + p, mask=pmask, other=0).to(tl.int64) * Hkv + h  # (page, head) record [BLOCK]
+        mmask = (p0 + mp) < end
+        ph_m = tl.load(btr + p0 + mp, mask=mmask, other=0).to(tl.int64) * Hkv + h  # [BLOCK * R]
+        by = tl.load(basis_ptr + (ph_m * R + mr)[:, None] * (D // 2) + jj[None, :], mask=mmask[:, None],
+                     other=0x88).to(tl.int32) ^ 0x88  # nibbles offset-binary: n + 8 in [1, 15]
+        proj = tl.dot(_bits_to_f32(by & 15, 8.0), q_even, input_precision=PREC_PROJ)
+        proj = tl.dot(_bits_to_f32(by >> 4, 8.0), q_odd, acc=proj, input_precision=PREC_PROJ)  # [BLOCK * R, GP]
+        proj = proj * tl.load(bscale_ptr + ph_m * R + mr, mask=mmask, other=0.0).to(tl.float32)[:, None]
+        cen = tl.load(cen_ptr.to(tl.pointer_type(tl.uint8)) + ph[:, None] * D + dd[None, :], mask=pmask[:, None],
+                      other=0x80).to(tl.int32) ^ 0x80  # int8 -> offset-binary n + 128
+        qmu = tl.dot(_bits_to_f32(cen, 128.0), q_all, input_precision=PREC_PROJ)  # [BLOCK, GP]
+        qmu = qmu * tl.load(censcale_ptr + ph, mask=pmask, other=0.0).to(tl.float32)[:, None]
+        cb = tl.load(coef_ptr.to(tl.pointer_type(tl.uint8)) + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R
+                     + (kk // (KR // R))[None, None, :], mask=pmask[:, None, None] & k_ok[None, None, :],
+                     other=0x80).to(tl.int32) ^ 0x80
+        c = _bits_to_f32(cb, 128.0)  # [BLOCK, S, KR]
+        p3 = tl.reshape(proj, (BLOCK, R, GP))
+        if KR > R:  # interleave zero rows: [BLOCK, R, GP] -> [BLOCK, 2R, GP], row 2r = projection r
+            p3 = tl.reshape(tl.permute(tl.join(p3, tl.zeros_like(p3)), (0, 1, 3, 2)), (BLOCK, KR, GP))
+        acc = tl.dot(c, p3, input_precision=PREC_COEF)  # [BLOCK, S, GP]
+        cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
+        logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
+        mx = tl.max(logit, axis=1)
+        lse2 = mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))  # [BLOCK, GP]
+        out_off = (row * G + g)[None, :].to(tl.int64) * max_pages + p[:, None]
+        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & (g < G)[None, :])
+        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
+        m_run = m_new
+    st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GB + g
+    tl.store(st, m_run, mask=g < GB)
+    tl.store(st + GB, l_run, mask=g < GB)
+
+
+_LEAN_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
+                 for b in (8, 16, 32) for w in (4, 8) for st in (1, 2)]
+_score_lean_tuned = triton.autotune(_LEAN_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_lean_kernel)
 
 
 @triton.jit
@@ -312,35 +312,34 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     """
     bsz, hq, d = queries.shape
     hkv, s, r = summaries.num_kv_heads, summaries.page_size, summaries.rank
-    if d not in _WORD:
-        raise ValueError(f"head_dim={d}: the score kernel supports {tuple(_WORD)}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim={d}: the score kernel supports {HEAD_DIMS}")
     g = hq // hkv
     max_pages = block_table.shape[1]
     ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
     gb = ws["stats"].shape[-1]
-    blk = _block_pages(g, r, s)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    prec = "ieee" if queries.dtype == torch.float32 else "tf32"
-    rows = bsz * hkv
-    if ws.get("impl", "mma") == "mma":
-        launch = ws.get("launch")
-        kernel = _score_mma_kernel if launch or not queries.is_cuda else _score_mma_tuned
-        kernel[(ws["n_chunks"], rows)](
-            queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
-            summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
-            seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
-            GP=max(16, gb), GB=gb, D=d, S=s, R=r, RP=max(16, triton.next_power_of_2(r)),
-            DOT_DT=dot_dtype(queries.dtype), C_DT=tl.float32 if queries.dtype == torch.float32 else tl.float16,
-            PRECISION=prec, **(launch or ({} if queries.is_cuda else {"BLOCK": 16})),
-        )
-        _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
-        return ws["scores"], ws["lse"], ws["ranking"]
-    _score_kernel[(ws["n_chunks"], rows)](
+    impl = ws.get("impl", "lean" if r in LEAN_RANKS else "mma")
+    exact = queries.dtype == torch.float32 or not queries.is_cuda  # float32 queries are not exact in tf32
+    launch = ws.get("launch") or ({} if queries.is_cuda else {"BLOCK": 16})
+    tuned = queries.is_cuda and not ws.get("launch")
+    if impl == "lean":
+        if r not in LEAN_RANKS:
+            raise ValueError(f"score kernel impl='lean' needs rank in {LEAN_RANKS}, got {r}")
+        kernel = _score_lean_tuned if tuned else _score_lean_kernel
+        kw = dict(PREC_PROJ="ieee" if exact else "tf32", PREC_COEF="ieee" if exact else "tf32x3")
+    elif impl == "mma":
+        kernel = _score_mma_tuned if tuned else _score_mma_kernel
+        kw = dict(RP=max(16, triton.next_power_of_2(r)), DOT_DT=dot_dtype(queries.dtype),
+                  C_DT=tl.float32 if queries.dtype == torch.float32 else tl.float16,
+                  PRECISION="ieee" if queries.dtype == torch.float32 else "tf32")
+    else:
+        raise ValueError(f"score kernel impl={impl!r}: allowed 'lean' (rank in {LEAN_RANKS}) or 'mma'")
+    kernel[(ws["n_chunks"], bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
         summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
         seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
-        GP=max(16, gb), GB=gb, D=d, S=s, R=r, BLOCK=blk, CB=max(16, blk), WDT=_WORD[d], DOT_DT=dot_dtype(queries.dtype),
-        PRECISION=prec, **ws.get("launch", {"num_warps": 8}),
+        GP=max(16, gb), GB=gb, D=d, S=s, R=r, **kw, **launch,
     )
     _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
     return ws["scores"], ws["lse"], ws["ranking"]

@@ -31,7 +31,7 @@ from kvlocks.cache.layout import PagedSummaries, check_kernel_config
 from kvlocks.summary.types import PageSummaries
 
 REL_FLOOR = 3e-3  # sigma_r / sigma_1 below this is numerically zero in float32 (see module doc)
-SWEEPS = 6  # sweeps of S-1 steps; 16x16 Grams converge to float32 accuracy in 5 (tests check)
+SWEEPS = 5  # sweeps of S-1 steps; 16x16 Grams converge to float32 accuracy in 5 (tests check)
 FP16_TINY = 2.0**-24
 
 
@@ -65,9 +65,25 @@ def _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S: tl.constexpr):
 
 
 @triton.jit
-def _jacobi(k_ptr, base, ok, s_idx, j, stride_ks, n_sweeps, BP: tl.constexpr, S: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """Gram of the centred keys and its eigenpairs by cyclic parallel Jacobi: (v [BP, S, S], lam [BP, S])."""
+def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv, bt_ptr, stride_bt,
+                  basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr, censcale_ptr, eig_ptr, n_sweeps,
+                  floor2, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
+                  INCREMENTAL: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr):
+    it = tl.program_id(0) * BP + tl.arange(0, BP)
+    im = it < n_items
+    i = it // Hkv
+    h = it % Hkv
+    if INCREMENTAL:  # ids_ptr = seq_lens: the page the last token filled, if it filled one
+        n = tl.load(ids_ptr + i, mask=im, other=0)
+        filled = im & (n > 0) & (n % S == 0)
+        phys = tl.load(bt_ptr + i.to(tl.int64) * stride_bt + tl.maximum(n // S - 1, 0), mask=filled, other=-1)
+    else:
+        phys = tl.load(ids_ptr + i, mask=im, other=-1)
+    ok = phys >= 0
+    ph = tl.maximum(phys, 0).to(tl.int64) * Hkv + h  # store record (page, head)
+    base = tl.maximum(phys, 0).to(tl.int64) * stride_kp + h * stride_kh
+    s_idx = tl.arange(0, S)
+    j = tl.arange(0, D // 2)
     de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S)
     a = tl.dot(de, tl.permute(de, (0, 2, 1)), input_precision=PRECISION)
     a = tl.dot(do, tl.permute(do, (0, 2, 1)), acc=a, input_precision=PRECISION)  # Gram [BP, S, S]
@@ -96,37 +112,6 @@ def _jacobi(k_ptr, base, ok, s_idx, j, stride_ks, n_sweeps, BP: tl.constexpr, S:
             a = c[:, :, None] * a + sg[:, :, None] * tl.gather(a, tl.permute(idx, (0, 2, 1)), 1)  # rows
             v = c[:, None, :] * v + sg[:, None, :] * tl.gather(v, idx, 2)
     lam = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S] eigenvalues, eigenvectors = columns of v
-    return v, lam
-
-
-@triton.jit
-def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv, bt_ptr, stride_bt,
-                  basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr, censcale_ptr, eig_ptr, n_sweeps,
-                  floor2, vin_ptr, lin_ptr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                  BP: tl.constexpr, INCREMENTAL: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr,
-                  EIG_IN: tl.constexpr):
-    it = tl.program_id(0) * BP + tl.arange(0, BP)
-    im = it < n_items
-    i = it // Hkv
-    h = it % Hkv
-    if INCREMENTAL:  # ids_ptr = seq_lens: the page the last token filled, if it filled one
-        n = tl.load(ids_ptr + i, mask=im, other=0)
-        filled = im & (n > 0) & (n % S == 0)
-        phys = tl.load(bt_ptr + i.to(tl.int64) * stride_bt + tl.maximum(n // S - 1, 0), mask=filled, other=-1)
-    else:
-        phys = tl.load(ids_ptr + i, mask=im, other=-1)
-    ok = phys >= 0
-    ph = tl.maximum(phys, 0).to(tl.int64) * Hkv + h  # store record (page, head)
-    base = tl.maximum(phys, 0).to(tl.int64) * stride_kp + h * stride_kh
-    s_idx = tl.arange(0, S)
-    j = tl.arange(0, D // 2)
-    ii = tl.arange(0, S)
-    if EIG_IN:  # eigenpairs from a batched solver: v [items, S, S] (columns), lam [items, S]
-        v = tl.load(vin_ptr + it[:, None, None].to(tl.int64) * (S * S) + ii[None, :, None] * S + ii[None, None, :],
-                    mask=im[:, None, None], other=0.0)
-        lam = tl.load(lin_ptr + it[:, None].to(tl.int64) * S + ii[None, :], mask=im[:, None], other=0.0)
-    else:
-        v, lam = _jacobi(k_ptr, base, ok, s_idx, j, stride_ks, n_sweeps, BP, S, PRECISION)
     rank = tl.sum(((lam[:, None, :] > lam[:, :, None]) |
                    ((lam[:, None, :] == lam[:, :, None]) & (ii[None, None, :] < ii[None, :, None]))).to(tl.int32),
                   axis=2)  # [BP, S]: position of eigenvalue i in descending order
@@ -168,56 +153,37 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
     tl.store(censcale_ptr + ph, ms16, mask=ok)
 
 
-def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=SWEEPS, block=None, eigin=None):
+# Bulk builds on CUDA tune items per program and warps once per shape (the kernel rewrites its
+# outputs, so re-running it while tuning is harmless); incremental builds keep a fixed launch.
+_BUILD_CONFIGS = [triton.Config({"BP": bp}, num_warps=w) for bp, w in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8))]
+_build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE_EIG"])(_build_kernel)
+
+
+def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=SWEEPS):
     _, s, hkv, d = k_cache.shape
     if k_cache.stride(-1) != 1:
         raise ValueError("k_cache needs a contiguous last dim")
-    bp = block or (4 if k_cache.is_cuda else 2)
     prec = "tf32x3" if k_cache.is_cuda else "ieee"
     tb = table if table is not None else ids
-    vin, lin = eigin if eigin is not None else (store.coef_scale, store.coef_scale)
-    _build_kernel[(triton.cdiv(max(n_items, 1), bp),)](
+    tuned = k_cache.is_cuda and not incremental
+    kernel = _build_tuned if tuned else _build_kernel
+    launch = {} if tuned else {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4}
+    kernel[lambda meta: (triton.cdiv(max(n_items, 1), meta["BP"]),)](
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ids, n_items, hkv, tb,
         tb.stride(0) if table is not None else 0, store.basis, store.basis_scale, store.coef, store.coef_scale,
         store.centroid, store.centroid_scale, eig if eig is not None else store.coef_scale, sweeps, REL_FLOOR**2,
-        vin, lin, S=s, D=d, R=store.rank, BP=bp, INCREMENTAL=incremental, WRITE_EIG=eig is not None,
-        PRECISION=prec, EIG_IN=eigin is not None, num_warps=4,
+        S=s, D=d, R=store.rank, INCREMENTAL=incremental, WRITE_EIG=eig is not None, PRECISION=prec, **launch,
     )
 
 
-SOLVERS = ("jacobi", "eigh")
-EIGH_CHUNK = 16384  # pages per batched eigh call (bounds the float32 temporaries)
-
-
-def _gram_eigh(k_cache: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenpairs of each (page, head)'s centred Gram by ``torch.linalg.eigh`` (cuSOLVER's batched
-    Jacobi on CUDA): v ``[N * Hkv, S, S]`` (eigenvectors as columns), lam ``[N * Hkv, S]``."""
-    keys = k_cache.index_select(0, ids.long().clamp_min(0)).float().transpose(1, 2)  # [N, Hkv, S, D]
-    dev = keys - keys.mean(2, keepdim=True)
-    gram = (dev @ dev.transpose(-1, -2)).flatten(0, 1)
-    lam, v = torch.linalg.eigh(0.5 * (gram + gram.transpose(-1, -2)))
-    return v.contiguous(), lam.contiguous()
-
-
 def build_pages(k_cache: torch.Tensor, store: PagedSummaries, page_ids: torch.Tensor, *, eig=None,
-                sweeps: int = SWEEPS, solver: str = "jacobi") -> None:
+                sweeps: int = SWEEPS) -> None:
     """Build the summaries of physical pages ``page_ids [N]`` int32 (-1 = skip), all KV heads.
 
     k_cache : ``[num_pages, S, Hkv, D]``; writes ``store`` at those page ids. ``eig``: optional
     float32 ``[N * Hkv, S]`` receiving each page's Gram eigenvalues in descending order.
-    ``solver``: ``"jacobi"`` (in-kernel, no host sync: the decode path's incremental builds) or
-    ``"eigh"`` (Gram and eigenpairs by torch in chunks, then the same kernel finishes; may sync).
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r}: allowed {SOLVERS}")
-    hkv = k_cache.shape[2]
-    if solver == "jacobi":
-        _launch(k_cache, store, page_ids, page_ids.numel() * hkv, None, False, eig, sweeps)
-        return
-    for c0 in range(0, page_ids.numel(), EIGH_CHUNK):
-        ids = page_ids[c0 : c0 + EIGH_CHUNK]
-        part = None if eig is None else eig[c0 * hkv : (c0 + ids.numel()) * hkv]
-        _launch(k_cache, store, ids, ids.numel() * hkv, None, False, part, eigin=_gram_eigh(k_cache, ids))
+    _launch(k_cache, store, page_ids, page_ids.numel() * k_cache.shape[2], None, False, eig, sweeps)
 
 
 def build_new_pages(k_cache: torch.Tensor, store: PagedSummaries, block_table: torch.Tensor,
@@ -227,7 +193,7 @@ def build_new_pages(k_cache: torch.Tensor, store: PagedSummaries, block_table: t
     _launch(k_cache, store, seq_lens, seq_lens.numel() * k_cache.shape[2], block_table, True)
 
 
-def build_summaries(keys: torch.Tensor, config: LocksConfig, *, solver: str = "jacobi") -> PageSummaries:
+def build_summaries(keys: torch.Tensor, config: LocksConfig) -> PageSummaries:
     """Same as :func:`kvlocks.summary.build.build_summaries` (int4/int8): ``[..., P, S, D]`` pages."""
     check_kernel_config(config, keys.shape[-1])
     *lead, p, s, d = keys.shape
@@ -239,7 +205,7 @@ def build_summaries(keys: torch.Tensor, config: LocksConfig, *, solver: str = "j
     eig = torch.zeros(rows * p, s, device=keys.device)
     ids = torch.arange(rows * p, dtype=torch.int32, device=keys.device)
     if rows * p:
-        build_pages(cache, store, ids, eig=eig, solver=solver)
+        build_pages(cache, store, ids, eig=eig)
     lam = eig.clamp_min(0.0).view(*lead, p, s)
     r = config.rank
     kept = lam[..., :r] > (REL_FLOOR**2) * lam[..., :1]
