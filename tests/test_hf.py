@@ -1,10 +1,14 @@
 """The Hugging Face path on the bundled model (fp32, CPU)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the Triton-backend tests below run in the interpreter; set before
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports triton (tests/test_kernels.py does too)
 
 from kvlocks import LocksConfig, build_summaries
 from kvlocks.eval.decode import prefill, step
@@ -125,3 +129,77 @@ def test_import_changes_nothing_in_torch_or_transformers():
         "assert 'kvlocks' not in AttentionInterface._global_mapping\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- the Triton kernel path (issue 5, deliverable 4): forced on the CPU through the interpreter ----
+
+def _tiny_llama(seed=0, layers=1):
+    """A small random Llama with the kernels' shapes (D = 64, G = 2), fp32, kvlocks attention.
+    (One layer: the Triton interpreter runs the summary build at ~0.7 s per program.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvlocks.integrations.hf import enable
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval().to("cuda" if torch.cuda.is_available() else "cpu")
+    enable(model)
+    return model
+
+
+def _decode_logits(model, cache, ids, steps):
+    logits = [prefill(model, cache, ids)]
+    token = int(torch.argmax(logits[0]))
+    for _ in range(steps):
+        logits.append(step(model, cache, token))
+        token = int(torch.argmax(logits[-1]))
+    return torch.stack([x.float() for x in logits])
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    pytest.importorskip("triton")
+
+
+def test_triton_backend_matches_reference_path(interpreter, monkeypatch):
+    import kvlocks.integrations.hf as hf
+
+    calls = []
+    kernel_decode = hf._kernel_decode
+    monkeypatch.setattr(hf, "_kernel_decode", lambda *a: calls.append(1) or kernel_decode(*a))
+    model = _tiny_llama()
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(1)).to(model.device)
+    cfg = LocksConfig(budget=48)  # 3 of 6 pages: sink, recent and one by score
+    ref = LocksCache(model.config, method="locks", config=cfg, backend="torch")
+    tri = LocksCache(model.config, method="locks", config=cfg, backend="triton")
+    keys = torch.zeros(1, 2, 16, 64, device=model.device)
+    assert tri.uses_kernels(keys) and not ref.uses_kernels(keys)
+    a = _decode_logits(model, ref, ids, 8)  # 90 -> 98 tokens: page 6 fills at step 6
+    b = _decode_logits(model, tri, ids, 8)
+    assert len(calls) == 8  # one layer, eight decode steps, all on the kernels
+    assert tri.layers[0].store.build_calls == 2 and tri.layers[0].store.summaries.num_pages == 98 // 16
+    assert torch.allclose(a, b, atol=2e-4 * float(a.abs().max()), rtol=1e-4)
+    assert tri.stats.summary()["pages_selected"] == ref.stats.summary()["pages_selected"] == 3
+
+
+def test_triton_backend_budget_above_context_equals_full(interpreter):
+    model = _tiny_llama(seed=2)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3)).to(model.device)
+    full = _decode_logits(model, LocksCache(model.config, method="full"), ids, 3)
+    tri = _decode_logits(model, LocksCache(model.config, method="locks", config=LocksConfig(budget=1024),
+                                           backend="triton"), ids, 3)
+    assert torch.allclose(full, tri, atol=1e-4 * float(full.abs().max()), rtol=1e-4)
+
+
+def test_kernel_path_only_for_the_kernels_config():
+    from kvlocks.integrations.hf import kernel_path
+    from kvlocks.selection.selectors import get_selector
+
+    locks = get_selector("locks")
+    assert kernel_path(locks, LocksConfig(), 64) and kernel_path(locks, LocksConfig(), 128)
+    assert not kernel_path(locks, LocksConfig(basis_bits=8), 64)
+    assert not kernel_path(locks, LocksConfig(), 96)
+    assert not kernel_path(get_selector("oracle"), LocksConfig(), 64)
+    with pytest.raises(ValueError, match="backend="):
+        LocksCache(_tiny_llama().config, method="locks", backend="cuda")

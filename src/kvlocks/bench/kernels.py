@@ -39,8 +39,9 @@ SHAPES = {  # Hkv, G, D, layers
 # score-kernel variants measured beside the (autotuned) default at the largest context, batch 1
 SCORE_VARIANTS = {
     "x_score_mma_tuned": {"impl": "mma"},
-    **{f"x_score_lean_b{b}_w{w}_s{st}": {"launch": {"BLOCK": b, "num_warps": w, "num_stages": st}}
-       for b, w, st in ((8, 4, 1), (16, 4, 1), (16, 4, 2), (32, 4, 2), (16, 8, 2), (32, 8, 2))},
+    **{f"x_score_lean_b{b}_w{w}_{'prefetch' if pf else 'noprefetch'}":
+       {"launch": {"BLOCK": b, "num_warps": w, "PREFETCH": pf}}
+       for b, w, pf in ((4, 4, True), (8, 4, False), (8, 4, True), (8, 8, True), (16, 8, False), (16, 8, True))},
 }
 METHODS = ("dense_sdpa", "dense_splitk", "locks_score", "locks_select", "locks_attend", "locks_total", "build")
 

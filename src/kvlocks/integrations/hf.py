@@ -9,6 +9,13 @@ Usage::
 The attention function takes the LOCKS path only for single-token decode steps whose keys come
 from a :class:`LocksCache` with a sparse method; everything else (prefill, other caches) runs
 transformers' SDPA unchanged. Nothing is registered at import time: :func:`register` does it.
+
+Backends: on CUDA tensors the ``locks`` selector with the kernels' configuration (int4 basis,
+int8 coefficients, page_size 16, head_dim 64 or 128; :func:`kernel_path`) runs the Triton kernels
+(summary build, scoring, combine, selection, paged attention); everything else, and every CPU
+tensor, runs the PyTorch references. ``LocksCache(..., backend="torch" | "triton")`` forces one
+(tests run ``"triton"`` on the CPU through ``TRITON_INTERPRET=1``). Left-padded batches
+(a token mask) always take the references: the kernels' paged layout has no padding.
 """
 
 from __future__ import annotations
@@ -18,12 +25,14 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvlocks._checks import check_finite
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
+from kvlocks.dispatch import BACKENDS, resolve_backend
 from kvlocks.integrations.stats import DecodeStats
 from kvlocks.selection.oracle_per_head import distinct_pages, sparse_decode_per_head
-from kvlocks.selection.selectors import LayerView, Selector, choose_pages, get_selector
+from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
 ATTN_NAME = "kvlocks"
 METHODS = ("full",)  # plus every registered selector name, see method_names()
@@ -34,6 +43,51 @@ def method_names() -> tuple[str, ...]:
     return METHODS + tuple(sorted(SELECTORS))
 
 
+def kernel_path(selector, config: LocksConfig, head_dim: int) -> bool:
+    """Whether the Triton kernels implement this (selector, config, head_dim): the default LOCKS
+    selector, int4 basis / int8 coefficients, S = 16, a power-of-two rank, D in {64, 128}."""
+    return (isinstance(selector, LocksSelector) and (config.basis_bits, config.coef_bits) == (4, 8)
+            and config.page_size == 16 and config.rank & (config.rank - 1) == 0 and head_dim in (64, 128))
+
+
+class _LayerStore(PagedLayerStore):
+    """A :class:`PagedLayerStore` whose summary builds run the Triton kernel when the cache's
+    backend resolves to ``"triton"`` for the keys' device (and the config is the kernels')."""
+
+    def __init__(self, config: LocksConfig, *, build: bool, owner: "LocksCache") -> None:
+        super().__init__(config, build=build)
+        self.owner = owner
+
+    def _build_new_pages(self) -> None:
+        if not self.owner.uses_kernels(self._k):
+            return super()._build_new_pages()
+        from kvlocks.summary.triton import build_summaries as tri_build
+
+        s = self.config.page_size
+        done = 0 if self.summaries is None else self.summaries.num_pages
+        full = self.length // s
+        if full <= done:
+            return
+        pages = self._k[:, :, done * s : full * s].unflatten(2, (full - done, s))  # [B, Hkv, p, S, D]
+        check_finite("keys", pages)
+        new = tri_build(pages, self.config)
+        self.summaries = new if self.summaries is None else self.summaries.cat(new)
+        self.build_calls += 1
+
+    def fork(self, config: LocksConfig, *, build: bool, owner: "LocksCache | None" = None) -> "_LayerStore":
+        base = super().fork(config, build=False)  # K/V cloned, summaries not carried
+        new = _LayerStore(config, build=build, owner=owner or self.owner)
+        new._k, new._v, new.length = base._k, base._v, base.length
+        same = self.summaries is not None and all(
+            getattr(config, f) == getattr(self.config, f) for f in ("page_size", "rank", "basis_bits", "coef_bits")
+        )
+        if build and same:
+            new.summaries = self.summaries
+        elif build and new.length:
+            new._build_new_pages()
+        return new
+
+
 class LocksLayer(DynamicLayer):
     """One layer of a :class:`LocksCache`: paged K/V plus summaries."""
 
@@ -41,7 +95,8 @@ class LocksLayer(DynamicLayer):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
-        self.store = PagedLayerStore(owner.config, build=owner.selector is not None and owner.selector.needs_summaries)
+        self.store = _LayerStore(owner.config, build=owner.selector is not None and owner.selector.needs_summaries,
+                                 owner=owner)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -79,7 +134,7 @@ class LocksLayer(DynamicLayer):
             self._index(torch.arange(b).repeat_interleave(repeats))
 
     def reset(self) -> None:
-        self.store = PagedLayerStore(self.owner.config, build=self.store.build)
+        self.store = _LayerStore(self.owner.config, build=self.store.build, owner=self.owner)
         super().reset()
 
     def decode(self, query, key, value, attention_mask, scaling):
@@ -88,6 +143,11 @@ class LocksLayer(DynamicLayer):
         hkv = key.shape[1]
         q = query[:, :, 0, :].reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
         token_mask = _token_mask(attention_mask, key)
+        if token_mask is None and self.owner.uses_kernels(key):
+            out = _kernel_decode(q, key, value, self.store.summaries, self.owner.config, scaling)
+            self.owner.record(self.layer_idx, key, min(self.owner.config.pages_per_step,
+                                                       -(-key.shape[2] // self.owner.config.page_size)))
+            return out.reshape(b, hq, d).unsqueeze(1)
         view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling,
                          layer=self.layer_idx)
         pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K] ([B, Hkv, G, K] per head)
@@ -100,6 +160,57 @@ class LocksLayer(DynamicLayer):
             read = pages.shape[-1]
         self.owner.record(self.layer_idx, key, read)
         return out.reshape(b, hq, d).unsqueeze(1)
+
+
+def _kernel_decode(q, key, value, summaries, config: LocksConfig, scale: float) -> torch.Tensor:
+    """The LOCKS decode step on the Triton kernels, same result as the reference path.
+
+    q ``[B, Hkv, G, D]``; key/value ``[B, Hkv, N, D]`` views of the page-aligned store; summaries
+    of the ``N // S`` full pages (leading dims ``[B, Hkv]``). Returns ``[B, Hkv, G, D]``.
+    """
+    from kvlocks.attention.triton import sparse_decode as tri_attend
+    from kvlocks.scoring.triton import combine_group, score_pages_from_summaries
+    from kvlocks.selection.triton import select_top_pages
+
+    s, n = config.page_size, key.shape[2]
+    pc, total = n // s, -(-n // s)
+    if pc == 0:  # no full page yet: every page is forced (sink and recent)
+        pages = torch.arange(min(total, config.pages_per_step), device=q.device).expand(*q.shape[:2], -1)
+    else:
+        scores = score_pages_from_summaries(q, summaries, scale=scale)  # [B, Hkv, G, Pc]
+        ranking = combine_group(scores, config.combine)  # [B, Hkv, Pc]
+        ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
+        pages = select_top_pages(ranking, total, config.pages_per_step, sink_pages=config.sink_pages,
+                                 recent_pages=config.recent_pages)  # [B, Hkv, K] int64 ascending
+    paged = _paged_view(key, value, s)
+    if paged is None:  # not a page-aligned store view: the adapter copies K/V into pages
+        return tri_attend(q, key, value, pages, s, scale=scale)[0]
+    from kvlocks.dispatch import paged_decode
+
+    kc, vc, table = paged
+    rows = table.shape[0]  # B * Hkv sequences of one KV head each
+    seq = torch.full((rows,), n, dtype=torch.int32, device=q.device)
+    plist = pages.reshape(rows, 1, -1).to(torch.int32)
+    out, _ = paged_decode(q.reshape(rows, q.shape[2], q.shape[3]), kc, vc, table, seq, plist, scale=scale,
+                          backend="triton")
+    return out.view(q.shape)
+
+
+def _paged_view(key, value, s: int):
+    """Zero-copy paged view of the store's ``[B, Hkv, N, D]`` slices of ``[B, Hkv, cap, D]``
+    buffers: caches ``[B * Hkv * cap / S, S, 1, D]`` and the block table ``[B * Hkv, P]``
+    (row ``b * Hkv + h`` is one sequence with one KV head). None when the strides do not allow it."""
+    b, hkv, n, d = key.shape
+    st = key.stride()
+    if value.stride() != st or st[3] != 1 or st[2] != d or st[1] % (s * d) or st[0] != hkv * st[1]:
+        return None
+    per_row = st[1] // (s * d)  # pages per (sequence, head) row of the buffer
+    shape, strides = (b * hkv * per_row, s, 1, d), (s * d, d, d, 1)
+    kc = key.as_strided(shape, strides, key.storage_offset())
+    vc = value.as_strided(shape, strides, value.storage_offset())
+    p = -(-n // s)
+    rows = torch.arange(b * hkv, device=key.device, dtype=torch.int32)[:, None] * per_row
+    return kc, vc, rows + torch.arange(p, device=key.device, dtype=torch.int32)[None, :]
 
 
 def _token_mask(attention_mask, key) -> torch.Tensor | None:
@@ -122,9 +233,15 @@ class LocksCache(Cache):
     method : ``"full"`` (dense attention), a selector name (``"locks"``, ``"oracle"``, ...) or a
         selector instance (e.g. ``LokiSelector(calibration)``, ``QuestSelector(bits=8)``)
     config : LocksConfig
+    backend : ``"torch"``, ``"triton"`` or None (Triton for CUDA tensors when :func:`kernel_path`
+        holds, the references otherwise)
     """
 
-    def __init__(self, model_config, *, method: "str | Selector" = "locks", config: LocksConfig | None = None) -> None:
+    def __init__(self, model_config, *, method: "str | Selector" = "locks", config: LocksConfig | None = None,
+                 backend: str | None = None) -> None:
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: allowed {BACKENDS} or None")
+        self.backend = backend
         if isinstance(method, str):
             if method not in method_names():
                 raise ValueError(f"method={method!r}: allowed {method_names()}")
@@ -149,13 +266,19 @@ class LocksCache(Cache):
         settings match and rebuilt otherwise; the copy's byte accounting starts at zero.
         """
         method = (self.selector or "full") if method is None else method
-        new = LocksCache(self.model_config, method=method, config=config or self.config)
+        new = LocksCache(self.model_config, method=method, config=config or self.config, backend=self.backend)
         for src, dst in zip(self.layers, new.layers):
-            dst.store = src.store.fork(new.config, build=dst.store.build)
+            dst.store = src.store.fork(new.config, build=dst.store.build, owner=new)
             if dst.store.length:
                 dst.lazy_initialization(dst.store.keys, dst.store.values)
                 dst.keys, dst.values = dst.store.keys, dst.store.values
         return new
+
+    def uses_kernels(self, keys: torch.Tensor | None) -> bool:
+        """Whether this cache runs the Triton kernels for keys like ``keys [B, Hkv, N, D]``."""
+        if keys is None or not kernel_path(self.selector, self.config, keys.shape[-1]):
+            return False
+        return resolve_backend(self.backend, keys.device) == "triton"
 
     def record(self, layer: int, key: torch.Tensor, pages: float) -> None:
         """Add one layer's decode step to the byte accounting (per sequence, all KV heads).

@@ -1,0 +1,383 @@
+"""End-to-end decode benchmark behind ``kvlocks bench e2e --out DIR``: whole models, dense vs LOCKS.
+
+Random-weight models at real shapes (``kvlocks.engine.models.SHAPES``: GLM-4-9B-Chat-1M,
+Llama-3.1-8B), built on the GPU in bf16. Per (model, context, batch): a static paged cache sized
+for the case (skipped, with the reason, when free memory does not allow it), filled by a real
+dense prefill up to ``max_prefill`` tokens (timed: ``ttft_ms``) and by random K/V above it (a
+9B-model prefill at 1M tokens takes many minutes), then the summary build of every full page of
+every layer (``build_ms``), then per method the decode step of :mod:`kvlocks.engine` captured in
+one CUDA graph: ``tpot_ms`` is the median of ``steps`` replays, each timed with CUDA events after
+``warmup`` replays. ``floor_ms`` is the step's bytes (weights + summaries + selected K/V for
+LOCKS; weights + all K/V for dense) over the device-to-device copy bandwidth measured in the same
+run (read + write bytes, as in the kernel benchmark).
+
+Writes ``DIR/summary.json`` (config, device, versions, copy bandwidth, rows, errors) after every
+case and ``DIR/rows.jsonl`` (one record per row, appended), so a timeout keeps what finished.
+On the CPU (backend torch, no graph, wall-clock timing) it runs for schema tests only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config import LocksConfig
+from kvlocks.dispatch import resolve_backend
+from kvlocks.engine.attention import DENSE_KERNEL, DENSE_REFERENCE
+from kvlocks.engine.cache import StaticPagedCache
+from kvlocks.engine.graph import StepRunner
+from kvlocks.engine.models import SHAPES, model_config, random_model
+from kvlocks.engine.parts import ModelParts, model_parts
+from kvlocks.engine.prefill import prefill, prefill_bytes
+from kvlocks.engine.step import DecodeStep
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ROW_KEYS = ("model", "context", "batch", "method", "budget", "kernel", "tpot_ms", "ttft_ms", "ttft_note",
+            "build_ms", "bytes_per_step", "weight_bytes", "kv_bytes", "summary_bytes", "floor_ms",
+            "tpot_over_floor", "speedup_vs_dense", "gpu_mem_gb", "gpu_peak_gb", "fill", "steps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class E2EBenchConfig(ConfigIO):
+    """What to measure. Batch 1 at every context, then every batch of ``batches`` at
+    ``batch_context``. ``model_overrides`` changes config fields of every model (tiny test runs)."""
+
+    models: tuple[str, ...] = ("glm4-9b-1m", "llama3.1-8b")
+    contexts: tuple[int, ...] = (16384, 65536, 131072, 262144, 524288, 1048576)
+    batches: tuple[int, ...] = (1, 2, 3, 4)
+    batch_context: int = 262144
+    methods: tuple[str, ...] = ("dense", "locks")
+    budget: int = 2048
+    steps: int = 48
+    warmup: int = 4
+    max_prefill: int = 131072
+    prefill_chunk: int = 8192
+    reserve_gib: float = 3.0
+    dtype: str = "bfloat16"
+    seed: int = 0
+    model_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for m in self.models:
+            if m not in SHAPES:
+                raise ValueError(f"E2EBenchConfig.models: {m!r} not in {tuple(SHAPES)}")
+        for m in self.methods:
+            if m not in ("dense", "locks"):
+                raise ValueError(f"E2EBenchConfig.methods: {m!r} not in ('dense', 'locks')")
+        LocksConfig(budget=self.budget)  # validates the budget
+        for n in (*self.contexts, self.batch_context):
+            check_int("E2EBenchConfig", "contexts", n, 16)
+        for b in self.batches:
+            check_int("E2EBenchConfig", "batches", b, 1, 256)
+        check_int("E2EBenchConfig", "steps", self.steps, 3)
+        check_int("E2EBenchConfig", "warmup", self.warmup, 0)
+        check_int("E2EBenchConfig", "max_prefill", self.max_prefill, 0)
+        check_int("E2EBenchConfig", "prefill_chunk", self.prefill_chunk, 1)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"E2EBenchConfig.dtype={self.dtype!r}: allowed {tuple(DTYPES)}")
+
+    def cases(self) -> list[tuple[int, int]]:
+        """(context, batch) pairs in run order: batch 1 by context, then the batch sweep."""
+        out = [(n, 1) for n in self.contexts]
+        out += [(self.batch_context, b) for b in self.batches if (self.batch_context, b) not in out]
+        return out
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in GB/s, read + write bytes (median of 10 copies)."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(11):
+        t0 = _now(device)
+        dst.copy_(src)
+        times.append(_elapsed_s(device, t0))
+    return 2 * nbytes / statistics.median(times[1:]) / 1e9
+
+
+def _now(device):
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _elapsed_s(device, start) -> float:
+    if device.type == "cuda":
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+    return time.perf_counter() - start
+
+
+def step_bytes(parts: ModelParts, cache: StaticPagedCache, method: str, context: int) -> dict:
+    """Bytes one decode step must read at ``context`` tokens (all layers, all sequences)."""
+    layers, (hkv, d) = parts.num_layers, cache.k.shape[-2:]
+    elem, s = cache.k.element_size(), cache.page_size
+    rows = layers * cache.batch * hkv
+    w = parts.weight_bytes()
+    if method == "dense":
+        kv, summ = rows * 2 * context * d * elem, 0
+    else:
+        pages = min(cache.config.pages_per_step, -(-context // s))
+        kv = rows * 2 * pages * s * d * elem
+        summ = rows * (context // s) * cache.summaries[0].bytes_per_page_head()
+    return {"weight_bytes": w, "kv_bytes": kv, "summary_bytes": summ, "bytes_per_step": w + kv + summ}
+
+
+def _time_steps(runner: StepRunner, device, steps: int, warmup: int) -> list[float]:
+    """Milliseconds per decode step: ``steps`` replays, each between its own pair of CUDA events."""
+    for _ in range(warmup):
+        runner()
+    if device.type != "cuda":
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            runner()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for a, b in evs:
+        a.record()
+        runner()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in evs]
+
+
+class _Case:
+    """One (model, context, batch): allocate, fill (prefill or random), build, then time methods."""
+
+    def __init__(self, bench, parts, name, n, bsz):
+        self.b, self.parts, self.name, self.n, self.bsz = bench, parts, name, n, bsz
+        cfg = bench.cfg
+        self.capacity = n + cfg.steps + cfg.warmup + 16  # every method restarts at n; graph warm-up is undone
+        self.lcfg = LocksConfig(budget=cfg.budget)
+        self.real_prefill = n * bsz <= cfg.max_prefill
+
+    def memory_check(self) -> str | None:
+        """Why the case cannot run (a string), or None."""
+        p, dev = self.parts, self.b.device
+        need = StaticPagedCache.nbytes(layers=p.num_layers, batch=self.bsz, num_kv_heads=p.num_kv_heads,
+                                       head_dim=p.head_dim, max_context=self.capacity, config=self.lcfg,
+                                       dtype=p.dtype)["total"]
+        if self.real_prefill:
+            inter = p.layers[0].mlp.down_proj.in_features
+            need += prefill_bytes(p, self.bsz, self.n, self.b.cfg.prefill_chunk, inter)
+        need += int(self.b.cfg.reserve_gib * 2**30)
+        if dev.type != "cuda":
+            return None
+        free = torch.cuda.mem_get_info(dev)[0]
+        if need > free:
+            return f"skipped: needs {need / 2**30:.1f} GiB (cache + activations + reserve), {free / 2**30:.1f} GiB free"
+        return None
+
+    def prepare(self) -> dict:
+        """Allocate the cache, fill it, build summaries; returns the shared row fields."""
+        p, cfg, dev = self.parts, self.b.cfg, self.b.device
+        self.cache = StaticPagedCache(layers=p.num_layers, batch=self.bsz, num_kv_heads=p.num_kv_heads,
+                                      head_dim=p.head_dim, max_context=self.capacity, config=self.lcfg,
+                                      dtype=p.dtype, device=dev)
+        gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+        out = {"ttft_ms": None, "fill": "random"}
+        if self.real_prefill:
+            vocab = p.embed.weight.shape[0]
+            ids = torch.randint(0, vocab, (self.bsz, self.n), generator=gen, device=dev)
+            if not self.b.prefill_warm:  # first prefill of this model: kernels, cuBLAS handles
+                prefill(p, self.cache, ids[:, : min(self.n, 1024)], chunk=cfg.prefill_chunk)
+                self.b.prefill_warm = True
+            _sync(dev)
+            t0 = _now(dev)
+            logits = prefill(p, self.cache, ids, chunk=cfg.prefill_chunk)
+            out["ttft_ms"] = _elapsed_s(dev, t0) * 1e3
+            out.update(fill="prefill", ttft_note=f"real dense prefill of {self.n} tokens x batch {self.bsz}")
+            self.first = logits.argmax(dim=-1)
+        else:
+            self.cache.random_fill(self.n, generator=gen)
+            out["ttft_note"] = (f"null: no real prefill above max_prefill={cfg.max_prefill} tokens per case "
+                                f"(random K/V fill)")
+            self.first = torch.ones(self.bsz, dtype=torch.long, device=dev)
+        self.build_ms = None
+        if "locks" in cfg.methods:
+            _sync(dev)
+            t0 = _now(dev)
+            self.cache.build(backend=self.b.backend)
+            self.build_ms = _elapsed_s(dev, t0) * 1e3
+        return out
+
+    def measure(self, method: str) -> dict:
+        cfg, dev = self.b.cfg, self.b.device
+        self.cache.set_length(self.n)
+        step = DecodeStep(self.parts, self.cache, method=method, backend=self.b.backend)
+        step.tokens.copy_(self.first)
+        runner = StepRunner(step, use_graph=self.b.use_graph)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = _time_steps(runner, dev, cfg.steps, cfg.warmup)
+        tpot = statistics.median(times)
+        row = {"method": method, "kernel": step.attn.kernel, "tpot_ms": tpot, "steps": cfg.steps,
+               "tpot_p10_ms": _quantile(times, 0.1), "tpot_p90_ms": _quantile(times, 0.9),
+               "budget": cfg.budget if method == "locks" else None,
+               "build_ms": self.build_ms if method == "locks" else None,
+               **step_bytes(self.parts, self.cache, method, self.n)}
+        if dev.type == "cuda":
+            row["gpu_mem_gb"] = torch.cuda.memory_allocated(dev) / 1e9
+            row["gpu_peak_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+        bw = self.b.copy_gbps
+        row["floor_ms"] = row["bytes_per_step"] / (bw * 1e9) * 1e3 if bw else None
+        row["tpot_over_floor"] = tpot / row["floor_ms"] if row["floor_ms"] else None
+        del runner, step
+        return row
+
+
+def _quantile(xs, q):
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device):
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class E2EBench:
+    """State of one benchmark run: device, copy bandwidth, rows, errors, output files."""
+
+    def __init__(self, out_dir, cfg: E2EBenchConfig, device, progress):
+        self.cfg, self.device, self.progress = cfg, device, progress or (lambda msg: None)
+        self.backend = resolve_backend(None, device)
+        self.use_graph = device.type == "cuda"
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "rows.jsonl").write_text("")
+        self.rows, self.errors = [], []
+        self.copy_gbps = copy_bandwidth(device)
+        self.progress(f"copy bandwidth {self.copy_gbps:.0f} GB/s (read + write) on {_device_name(device)}")
+        self.prefill_warm = False
+
+    def emit(self, row: dict) -> None:
+        self.rows.append(row)
+        with (self.out / "rows.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        floor = f", floor {row['floor_ms']:.2f} ms" if row.get("floor_ms") else ""
+        extra = f", {row['speedup_vs_dense']:.2f}x vs dense" if row.get("speedup_vs_dense") else ""
+        self.progress(f"  {row['model']} {row['context']} x{row['batch']} {row['method']}: "
+                      f"tpot {row['tpot_ms']:.2f} ms{floor}{extra}")
+
+    def write_summary(self) -> dict:
+        import transformers
+
+        try:
+            import triton
+
+            tv = triton.__version__
+        except ImportError:
+            tv = None
+        summary = {
+            "config": dataclasses.asdict(self.cfg), "device": _device_name(self.device),
+            "versions": {"torch": torch.__version__, "triton": tv, "transformers": transformers.__version__,
+                         "cuda": torch.version.cuda},
+            "commit": os.environ.get("KVLOCKS_COMMIT"), "backend": self.backend, "cuda_graph": self.use_graph,
+            "dense_kernel": DENSE_KERNEL if self.backend == "triton" else DENSE_REFERENCE,
+            "copy_gbps": self.copy_gbps, "rows": self.rows, "errors": self.errors,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def run_model(self, name: str) -> None:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        mcfg = model_config(name, max_positions=max(1 << 17, *(n + 4096 for n, _ in cfg.cases())),
+                            **cfg.model_overrides)
+        model = random_model(mcfg, dtype=DTYPES[cfg.dtype], device=self.device, seed=cfg.seed)
+        parts = model_parts(model)
+        self.prefill_warm = False
+        self.progress(f"{name}: built in {time.perf_counter() - t0:.1f} s, "
+                      f"{parts.weight_bytes() / 1e9:.1f} GB of weights read per step")
+        for n, bsz in cfg.cases():
+            self.run_case(parts, name, n, bsz)
+        del parts, model
+        _free(self.device)
+
+    def run_case(self, parts, name: str, n: int, bsz: int) -> None:
+        key = {"model": name, "context": n, "batch": bsz}
+        case = None
+        try:
+            case = _Case(self, parts, name, n, bsz)
+            why = case.memory_check()
+            if why:
+                self.errors.append({**key, "error": why})
+                self.progress(f"  {name} {n} x{bsz}: {why}")
+                return
+            t0 = time.perf_counter()
+            shared = case.prepare()
+            self.progress(f"  {name} {n} x{bsz}: {shared['fill']} in {time.perf_counter() - t0:.1f} s"
+                          + (f" (ttft {shared['ttft_ms']:.0f} ms)" if shared["ttft_ms"] else "")
+                          + (f", build {case.build_ms:.0f} ms" if case.build_ms is not None else ""))
+            dense_tpot = None
+            for method in self.cfg.methods:
+                try:
+                    row = {**key, **shared, **case.measure(method)}
+                except Exception as e:  # one failing method must not sink the case
+                    self.errors.append({**key, "method": method, "error": repr(e)[:800]})
+                    log.exception("%s %s failed", key, method)
+                    self.progress(f"  {name} {n} x{bsz} {method}: ERROR {e!r}"[:300])
+                    _free(self.device)
+                    continue
+                if method == "dense":
+                    dense_tpot = row["tpot_ms"]
+                row["speedup_vs_dense"] = dense_tpot / row["tpot_ms"] if method != "dense" and dense_tpot else None
+                self.emit({k: row.get(k) for k in ROW_KEYS} | {k: v for k, v in row.items() if k not in ROW_KEYS})
+        except Exception as e:
+            self.errors.append({**key, "error": repr(e)[:800]})
+            log.exception("case %s failed", key)
+            self.progress(f"  {name} {n} x{bsz}: ERROR {e!r}"[:300])
+        finally:
+            del case
+            _free(self.device)
+            self.write_summary()
+
+
+def _device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
+def run_e2e_bench(out_dir, config: E2EBenchConfig | None = None, *, device=None, progress=None) -> dict:
+    """Run the benchmark; write ``summary.json`` and ``rows.jsonl`` under ``out_dir``; return the summary."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = config or E2EBenchConfig()
+    bench = E2EBench(out_dir, cfg, device, progress)
+    bench.write_summary()
+    for name in cfg.models:
+        try:
+            bench.run_model(name)
+        except Exception as e:
+            bench.errors.append({"model": name, "error": repr(e)[:800]})
+            log.exception("model %s failed", name)
+            bench.progress(f"{name}: ERROR {e!r}"[:300])
+            _free(device)
+        bench.write_summary()
+    return bench.write_summary()

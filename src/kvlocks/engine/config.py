@@ -1,0 +1,56 @@
+"""EngineConfig: what the GPU decode engine runs (method, budget, batch, capacity, backend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config import LocksConfig
+
+METHODS = ("locks", "dense")
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(ConfigIO):
+    """Configuration of one :class:`~kvlocks.engine.engine.DecodeEngine`.
+
+    Parameters
+    ----------
+    method : ``"locks"`` (score summaries, select ``budget`` tokens per layer and KV head, attend
+        those) or ``"dense"`` (attend every token: the split-KV kernel over all pages on CUDA)
+    locks : LocksConfig (page size, budget, summary settings; int4 basis / int8 coefficients)
+    batch : B, sequences decoded together (prompts of equal length, no padding)
+    max_context : tokens per sequence the static cache holds (prompt + generated)
+    prefill_chunk : tokens per chunk of the prefill's projections and MLP (memory, not numerics)
+    backend : ``"triton"``, ``"torch"`` or None (Triton on CUDA, the PyTorch references otherwise)
+    cuda_graph : capture the decode step in one CUDA graph; None = whenever the backend is Triton
+    """
+
+    method: str = "locks"
+    locks: LocksConfig = field(default_factory=LocksConfig)
+    batch: int = 1
+    max_context: int = 4096
+    prefill_chunk: int = 4096
+    backend: str | None = None
+    cuda_graph: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"EngineConfig.method={self.method!r}: allowed {METHODS}")
+        if isinstance(self.locks, dict):  # from_json
+            object.__setattr__(self, "locks", LocksConfig(**self.locks))
+        if not isinstance(self.locks, LocksConfig):
+            raise ValueError(f"EngineConfig.locks must be a LocksConfig, got {type(self.locks).__name__}")
+        if (self.locks.basis_bits, self.locks.coef_bits) != (4, 8):
+            raise ValueError(
+                f"EngineConfig.locks: the paged store holds int4 basis / int8 coefficients, got basis_bits="
+                f"{self.locks.basis_bits}, coef_bits={self.locks.coef_bits}"
+            )
+        check_int("EngineConfig", "batch", self.batch, 1, 4096)
+        check_int("EngineConfig", "max_context", self.max_context, 2, 1 << 26)
+        check_int("EngineConfig", "prefill_chunk", self.prefill_chunk, 1)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
+        if self.cuda_graph not in (None, True, False):
+            raise ValueError(f"EngineConfig.cuda_graph={self.cuda_graph!r}: allowed True, False or None")

@@ -1,0 +1,88 @@
+"""DecodeEngine: dense prefill, summary build, then CUDA-graph decode steps of a HF decoder.
+
+Usage::
+
+    model, tok = kvlocks.models.load("smollm2-135m", device="cuda")
+    eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=256), max_context=8192))
+    tokens = eng.generate(input_ids, max_new_tokens=64)      # [B, 64] greedy tokens
+
+The pieces are separate so benchmarks can time them: :func:`prefill` (or
+:meth:`StaticPagedCache.random_fill`), :meth:`StaticPagedCache.build`, :class:`DecodeStep` and
+:class:`StepRunner`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlocks.dispatch import resolve_backend
+from kvlocks.engine.cache import StaticPagedCache
+from kvlocks.engine.config import EngineConfig
+from kvlocks.engine.graph import StepRunner
+from kvlocks.engine.parts import model_parts
+from kvlocks.engine.prefill import prefill
+from kvlocks.engine.step import DecodeStep
+
+
+class DecodeEngine:
+    """Greedy decoding of one batch of equal-length prompts on a static paged cache.
+
+    Parameters
+    ----------
+    model : a supported Hugging Face ``*ForCausalLM`` (see :mod:`kvlocks.engine.parts`), on its device
+    config : EngineConfig
+    """
+
+    def __init__(self, model, config: EngineConfig) -> None:
+        self.config = config
+        self.parts = model_parts(model)
+        p = self.parts
+        self.backend = resolve_backend(config.backend, p.device)
+        graph = config.cuda_graph
+        self.use_graph = (self.backend == "triton" and p.device.type == "cuda") if graph is None else graph
+        self.cache = StaticPagedCache(
+            layers=p.num_layers, batch=config.batch, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
+            max_context=config.max_context, config=config.locks, dtype=p.dtype, device=p.device,
+            summaries=config.method == "locks",
+        )
+        self.step = DecodeStep(p, self.cache, method=config.method, backend=self.backend)
+        self.runner: StepRunner | None = None
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Dense prefill of ``input_ids [B, T]``, then (locks) the summaries of every full page.
+        Sets the first token to feed to the prefill's greedy token; returns logits ``[B, V]``."""
+        logits = prefill(self.parts, self.cache, input_ids, chunk=self.config.prefill_chunk)
+        if self.config.method == "locks":
+            self.cache.build(backend=self.backend)
+        self.step.tokens.copy_(logits.argmax(dim=-1))
+        return logits
+
+    def decode(self, steps: int) -> torch.Tensor:
+        """``steps`` decode steps from the current state; int64 ``[B, steps]`` of the tokens they pick."""
+        room = self.cache.capacity - self.cache.length
+        if steps > room:
+            raise ValueError(f"{steps} decode steps do not fit: the cache has room for {room} more tokens")
+        if self.runner is None:
+            self.runner = StepRunner(self.step, use_graph=self.use_graph)
+        out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.parts.device)
+        for i in range(steps):
+            self.runner()
+            out[:, i].copy_(self.step.tokens)
+        self.cache.length += steps
+        return out
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
+        """Greedy tokens ``[B, max_new_tokens]`` after the prompt (no EOS stop; int64, on the CPU)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if input_ids.shape[1] + max_new_tokens > self.cache.capacity:
+            raise ValueError(f"prompt {input_ids.shape[1]} + {max_new_tokens} new tokens exceed max_context="
+                             f"{self.config.max_context}")
+        self.prefill(input_ids)
+        first = self.step.tokens.clone().unsqueeze(1)
+        if max_new_tokens == 1:
+            return first.cpu()
+        return torch.cat([first, self.decode(max_new_tokens - 1)], dim=1).cpu()

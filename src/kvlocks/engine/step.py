@@ -1,0 +1,67 @@
+"""One single-token decode step of every sequence, with static shapes and device-side state only.
+
+State (all on the device, allocated once): ``tokens [B]`` int64 (the token to feed), the cache's
+``seq_lens [B]`` int32 (tokens already cached) and ``lens_next [B]`` int32. A step: embed the
+tokens, RoPE at position ``seq_lens``, and per layer the model's input norm, q/k/v projections and
+``apply_rotary_pos_emb``, the new K/V written to slot ``block_table[b, pos // S] * S + pos % S``
+by ``index_copy_`` (a device-side index), attention (locks or dense), ``o_proj``, the
+post-attention norm and MLP; then the final norm, LM head and greedy argmax, written back into
+``tokens``, and ``seq_lens += 1``. Nothing reads a device value on the host (Triton backend), so
+the step is captured once in a CUDA graph and replayed: each replay decodes one more token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlocks.engine.attention import make_attention
+from kvlocks.engine.cache import StaticPagedCache
+from kvlocks.engine.parts import ModelParts, finish_layer, project_qkv
+
+
+class DecodeStep:
+    """Callable decode step over a :class:`StaticPagedCache` (see the module docstring).
+
+    Parameters
+    ----------
+    parts : ModelParts of the model
+    cache : StaticPagedCache holding the prompt (length set)
+    method : ``"locks"`` or ``"dense"``
+    backend : ``"triton"`` or ``"torch"``
+    """
+
+    def __init__(self, parts: ModelParts, cache: StaticPagedCache, *, method: str, backend: str) -> None:
+        self.parts, self.cache, self.backend = parts, cache, backend
+        dev = cache.k.device
+        self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)  # [B] next input token
+        self.lens_next = torch.zeros_like(cache.seq_lens)  # [B] int32
+        self.attn = make_attention(method, cache, num_q_heads=parts.num_q_heads, scale=parts.scale,
+                                   dtype=parts.dtype, backend=backend)
+        self.logits = None  # [B, V] of the last step (a graph output when replayed)
+        n, s = cache.num_pages, cache.page_size
+        self._k_flat = [cache.k[i].view(n * s, *cache.k.shape[-2:]) for i in range(cache.k.shape[0])]
+        self._v_flat = [cache.v[i].view(n * s, *cache.v.shape[-2:]) for i in range(cache.v.shape[0])]
+
+    @torch.no_grad()
+    def __call__(self) -> torch.Tensor:
+        """Decode one token per sequence; returns logits ``[B, V]`` (model dtype)."""
+        p, c = self.parts, self.cache
+        bsz, s = c.batch, c.page_size
+        torch.add(c.seq_lens, 1, out=self.lens_next)
+        pos = c.seq_lens.long()  # [B] position of the new token
+        page = c.block_table.gather(1, (pos // s).unsqueeze(1)).squeeze(1).long()  # [B] physical page
+        slot = page * s + pos % s  # [B] row of the flattened [num_pages * S, Hkv, D] cache
+        x = p.embed(self.tokens.unsqueeze(1))  # [B, 1, H]
+        cos, sin = p.rotary(x, pos.unsqueeze(1))
+        hq, d = p.num_q_heads, p.head_dim
+        for li, layer in enumerate(p.layers):
+            q, k, v = project_qkv(p, layer, x, cos, sin)  # [B, Hq, 1, D], [B, Hkv, 1, D]
+            self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
+            self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
+            out = self.attn.run(li, q[:, :, 0].contiguous(), self.lens_next)  # [B, Hq, D]
+            x = finish_layer(layer, x, out.reshape(bsz, 1, hq * d))
+        logits = p.lm_head(p.norm(x))[:, 0]  # [B, V]
+        torch.argmax(logits, dim=-1, out=self.tokens)
+        c.seq_lens.copy_(self.lens_next)
+        self.logits = logits
+        return logits

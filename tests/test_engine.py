@@ -1,0 +1,230 @@
+"""The decode engine (kvlocks.engine) on the CPU: torch backend against Hugging Face, the Triton
+backend through the interpreter, the benchmark's row code, and (GPU only) CUDA-graph replay."""
+
+import json
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # before any kernel module is imported (as tests/test_kernels.py does)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvlocks import LocksConfig  # noqa: E402
+from kvlocks.dispatch import build_pages  # noqa: E402
+from kvlocks.cache.layout import PagedSummaries  # noqa: E402
+from kvlocks.engine import DecodeEngine, EngineConfig, StaticPagedCache, model_parts  # noqa: E402
+from kvlocks.engine.models import model_config, random_model  # noqa: E402
+
+PROMPT = (
+    "Alice keeps her bicycle in the red shed behind the library. Bob keeps his canoe in the "
+    "boathouse by the river. Carol keeps her telescope on the roof of the observatory. "
+    "Where does Alice keep her bicycle?"
+)
+COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"]
+THINGS = ["box", "jar", "crate", "basket", "drawer", "bag", "chest", "tin", "bowl", "bottle"]
+TINY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=512)
+
+
+def _chat(tok, text):
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok(chat, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def _long_prompt():
+    """About 1.3K tokens of facts, one of which the question asks for."""
+    lines = [f"The {c} {t} in room {i * 10 + j} holds {(i * 37 + j * 11) % 97} marbles."
+             for i, c in enumerate(COLOURS) for j, t in enumerate(THINGS)]
+    return "\n".join(lines) + "\nHow many marbles does the green crate in room 22 hold?"
+
+
+def _tiny(kind, seed=0, **overrides):
+    """A small random model; weights scaled up so its logits are far from flat (clear argmaxes)."""
+    m = random_model(model_config(kind, **{**TINY, **overrides}), dtype=torch.float32, device="cpu", seed=seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(5.0)
+    return m
+
+
+def _hf_greedy(model, ids, n):
+    from transformers import DynamicCache
+
+    from kvlocks.integrations.hf import cache_kwargs
+
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0,
+                         **cache_kwargs(model, DynamicCache(config=model.config)))
+    return out[:, ids.shape[1]:]
+
+
+def _same_until_eos(engine_tokens, hf_tokens):
+    """HF generate stops at EOS; the engine does not. Compare the tokens HF produced."""
+    n = hf_tokens.shape[1]
+    return torch.equal(engine_tokens[:, :n], hf_tokens)
+
+
+# ---- the bundled model, torch backend ----
+
+@pytest.fixture(scope="module")
+def model_tok():
+    from kvlocks.models import load
+
+    return load("smollm2-135m")
+
+
+@pytest.mark.model
+def test_engine_equals_full_attention_at_large_budget(model_tok):
+    model, tok = model_tok
+    ids = _chat(tok, PROMPT)
+    hf = _hf_greedy(model, ids, 24)
+    for method in ("locks", "dense"):
+        eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=1024), max_context=256))
+        got = eng.generate(ids, max_new_tokens=24)
+        assert _same_until_eos(got, hf), (method, got, hf)
+    assert "shed" in tok.decode(hf[0]).lower()
+
+
+@pytest.fixture(scope="module")
+def long_case(model_tok):
+    """HF LocksCache path and the engine at budget 256 on one ~1.3K-token prompt."""
+    from kvlocks.integrations.hf import LocksCache, cache_kwargs
+
+    model, tok = model_tok
+    ids = _chat(tok, _long_prompt())
+    cfg = LocksConfig(budget=256)
+    cache = LocksCache(model.config, method="locks", config=cfg)
+    hf = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, **cache_kwargs(model, cache))
+    eng = DecodeEngine(model, EngineConfig(method="locks", locks=cfg, max_context=ids.shape[1] + 32))
+    got = eng.generate(ids, max_new_tokens=20)
+    return ids, hf[:, ids.shape[1]:], got, eng
+
+
+@pytest.mark.model
+def test_engine_equals_hf_locks_cache_at_budget_256(long_case):
+    ids, hf, got, _ = long_case
+    assert ids.shape[1] > 1000 and ids.shape[1] > 4 * 256  # selection really drops pages
+    assert _same_until_eos(got, hf), (got, hf)
+
+
+@pytest.mark.model
+def test_incremental_builds_equal_a_rebuild(long_case):
+    ids, _, got, eng = long_case
+    cache, s = eng.cache, eng.cache.page_size
+    n = ids.shape[1] + got.shape[1] - 1  # the last generated token is not written
+    assert int(cache.seq_lens[0]) == n and n // s > ids.shape[1] // s  # decode filled at least one page
+    full = cache.block_table[0, : n // s]
+    for layer in (0, len(cache.summaries) - 1):
+        fresh = PagedSummaries.empty(cache.num_pages, cache.k.shape[-2], cache.k.shape[-1], cache.config)
+        build_pages(cache.k[layer], fresh, full, cache.config, backend="torch")
+        for a, b in zip(cache.summaries[layer]._fields(), fresh._fields()):
+            assert torch.equal(a[full.long()], b[full.long()])
+
+
+# ---- small random models: GLM (partial interleaved RoPE), batches, the Triton backend ----
+
+@pytest.mark.parametrize("kind", ["glm4-9b-1m", "llama3.1-8b"])
+def test_engine_equals_hf_on_random_models_batch_2(kind):
+    model = _tiny(kind, seed=1)
+    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(0))
+    hf = _hf_greedy(model, ids, 20)
+    for method in ("dense", "locks"):
+        eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=1024), batch=2,
+                                               max_context=128))
+        assert torch.equal(eng.generate(ids, max_new_tokens=20), hf), method
+
+
+def test_triton_backend_matches_torch_backend():
+    pytest.importorskip("triton")
+    model = _tiny("glm4-9b-1m", seed=1, num_hidden_layers=1)
+    ids = torch.randint(0, 512, (1, 90), generator=torch.Generator().manual_seed(0))
+    dev = "cuda" if CUDA else "cpu"
+    model = model.to(dev)
+    for method in ("dense", "locks"):
+        out = {}
+        for be in ("torch", "triton"):  # 90 -> 97 tokens: page 5 fills during decode (incremental build)
+            eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=48), max_context=112,
+                                                   backend=be, cuda_graph=False))
+            out[be] = (eng.generate(ids.to(dev), max_new_tokens=8), eng.step.logits.float().cpu())
+        assert torch.equal(out["torch"][0], out["triton"][0]), method
+        assert torch.allclose(out["torch"][1], out["triton"][1], atol=1e-4 * float(out["torch"][1].abs().max()))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_equals_eager_steps():
+    model = _tiny("llama3.1-8b", seed=3).to("cuda")
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    for method in ("dense", "locks"):
+        out = [DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=64), batch=2,
+                                                max_context=400, cuda_graph=g)).generate(ids, max_new_tokens=40)
+               for g in (False, True)]
+        assert torch.equal(out[0], out[1]), method
+
+
+# ---- the static cache, random fill, the benchmark rows ----
+
+def test_static_cache_bytes_views_and_random_fill():
+    cfg = LocksConfig(budget=64)
+    kw = dict(layers=2, batch=3, num_kv_heads=2, head_dim=64, max_context=100, config=cfg, dtype=torch.bfloat16)
+    cache = StaticPagedCache(**kw, device="cpu")
+    nb = StaticPagedCache.nbytes(**kw)
+    assert nb["kv"] == cache.k.numel() * 2 * 2
+    assert nb["summaries"] == 2 * cache.num_pages * 2 * cache.summaries[0].bytes_per_page_head()
+    assert cache.capacity == 112 and cache.block_table.shape == (3, 7)
+    cache.random_fill(40, generator=torch.Generator().manual_seed(0))
+    k, _ = cache.token_view(1)
+    assert bool((k[:, :40] != 0).all()) and bool((k[:, 40:] == 0).all())
+    assert cache.seq_lens.tolist() == [40, 40, 40] and cache.full_page_ids().tolist() == [0, 1, 7, 8, 14, 15]
+    cache.build(backend="torch")
+    ref = PagedSummaries.empty(cache.num_pages, 2, 64, cfg)
+    build_pages(cache.k[1], ref, cache.full_page_ids(), cfg, backend="torch")
+    assert torch.equal(ref.coef[[7, 8]], cache.summaries[1].coef[[7, 8]])
+    with pytest.raises(ValueError, match="random_fill"):
+        cache.random_fill(113)
+
+
+def test_bench_e2e_rows_on_cpu(tmp_path):
+    from kvlocks.bench.e2e import ROW_KEYS, E2EBenchConfig, run_e2e_bench
+
+    tiny = {**TINY, "vocab_size": 1000}
+    cfg = E2EBenchConfig(models=("glm4-9b-1m",), contexts=(64, 128), batches=(1, 2), batch_context=64, budget=32,
+                         steps=3, warmup=1, max_prefill=100, model_overrides=tiny)
+    summary = run_e2e_bench(tmp_path, cfg, device="cpu")
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["rows"] == summary["rows"] and summary["errors"] == []
+    assert {"config", "device", "versions", "copy_gbps", "rows", "errors"} <= set(summary)
+    rows = summary["rows"]
+    assert [(r["context"], r["batch"], r["method"]) for r in rows] == [
+        (64, 1, "dense"), (64, 1, "locks"), (128, 1, "dense"), (128, 1, "locks"), (64, 2, "dense"), (64, 2, "locks")]
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r) and r["tpot_ms"] > 0 and r["floor_ms"] > 0
+        assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_bytes"] + r["summary_bytes"]
+        assert (r["ttft_ms"] is not None) == (r["fill"] == "prefill") == (r["context"] * r["batch"] <= 100)
+        assert (r["build_ms"] is not None) == (r["method"] == "locks")
+    dense, locks = rows[2], rows[3]
+    assert locks["kv_bytes"] == dense["kv_bytes"] // 4  # 2 of 8 pages of K/V
+    assert locks["summary_bytes"] == 2 * 2 * 8 * 498  # layers x KV heads x pages x bytes per (page, head) at D = 64
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == len(rows)
+
+
+# ---- bad input ----
+
+def test_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="EngineConfig.method"):
+        EngineConfig(method="sparse")
+    with pytest.raises(ValueError, match="basis_bits"):
+        EngineConfig(locks=LocksConfig(basis_bits=8))
+    with pytest.raises(ValueError, match="EngineConfig.batch"):
+        EngineConfig(batch=0)
+    with pytest.raises(ValueError, match="model_type"):
+        model_parts(torch.nn.Linear(2, 2))
+    model = _tiny("llama3.1-8b", num_hidden_layers=1)
+    eng = DecodeEngine(model, EngineConfig(max_context=64))
+    with pytest.raises(ValueError, match="exceed max_context"):
+        eng.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=10)
+    with pytest.raises(ValueError, match="batch"):
+        eng.prefill(torch.zeros(2, 10, dtype=torch.long))
+    assert EngineConfig.from_json(EngineConfig(method="dense").to_json()) == EngineConfig(method="dense")
