@@ -85,7 +85,7 @@ def test_score_matches_reference(lens, g, d, dtype, rule):
             assert torch.allclose(xb, yb, rtol=1e-4, atol=1e-4 * max(1.0, float(yb.abs().max()) if pc else 1.0)), name
 
 
-@pytest.mark.parametrize("rank", [4, 16])  # 4: the padded fallback kernel; 16: the lean kernel without padding
+@pytest.mark.parametrize("rank", [4, 16])  # other ranks than the default 8 (basis rows padded to 16 or not)
 def test_score_matches_reference_other_ranks(rank):
     cfg = LocksConfig(rank=rank)
     q, k, _, table, seq = make_paged(LENS["c"], 2, 4, 64, BF16)
@@ -98,17 +98,13 @@ def test_score_matches_reference_other_ranks(rank):
         assert torch.allclose(x, y, rtol=1e-4, atol=1e-4 * max(1.0, float(y.abs().max()))), rank
 
 
-@pytest.mark.parametrize("launch", [{"BLOCK": 8, "PREFETCH": False}, {"BLOCK": 32, "PREFETCH": True},
-                                    {"impl": "mma"}])
-def test_score_kernel_variants_agree(launch):
-    """Every kernel variant / step size gives the reference's scores (the default is tested above)."""
+@pytest.mark.parametrize("launch", [{"BLOCK": 8}, {"BLOCK": 32, "num_warps": 4}])
+def test_score_kernel_step_sizes_agree(launch):
+    """Every step size the autotuner may pick gives the reference's scores (16 is tested above)."""
     q, k, _, table, seq = make_paged(LENS["c"], 2, 3, 128, BF16)
     store = built_store(k, table, seq, LocksConfig())
     ws = score_tri.score_workspace(len(seq), 2, 3, table.shape[1], q.device)
-    if "impl" in launch:
-        ws["impl"] = launch["impl"]
-    else:
-        ws["launch"] = launch
+    ws["launch"] = launch
     got = score_pages(q, store, table, seq, backend="triton", workspace=ws)
     exp = score_pages(q, store, table, seq, backend="torch")
     for b in range(len(seq)):

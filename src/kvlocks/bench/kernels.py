@@ -37,12 +37,8 @@ SHAPES = {  # Hkv, G, D, layers
     "glm4-9b-1m": (4, 8, 128, 40),
 }
 # score-kernel variants measured beside the (autotuned) default at the largest context, batch 1
-SCORE_VARIANTS = {
-    "x_score_mma_tuned": {"impl": "mma"},
-    **{f"x_score_lean_b{b}_w{w}_{'prefetch' if pf else 'noprefetch'}":
-       {"launch": {"BLOCK": b, "num_warps": w, "PREFETCH": pf}}
-       for b, w, pf in ((4, 4, True), (8, 4, False), (8, 4, True), (8, 8, True), (16, 8, False), (16, 8, True))},
-}
+SCORE_VARIANTS = {f"x_score_b{b}_w{w}_s{st}": {"launch": {"BLOCK": b, "num_warps": w, "num_stages": st}}
+                  for b, w, st in ((16, 4, 1), (32, 4, 2), (16, 8, 2))}
 METHODS = ("dense_sdpa", "dense_splitk", "locks_score", "locks_select", "locks_attend", "locks_total", "build")
 
 
@@ -247,9 +243,9 @@ def _methods(case, device):
 
 def _tuned_score_config() -> str | None:
     """The launch configuration the score kernel's autotuner chose last (None on the CPU)."""
-    from kvlocks.scoring.triton import _score_lean_tuned
+    from kvlocks.scoring.triton import _score_mma_tuned
 
-    best = getattr(_score_lean_tuned, "best_config", None)
+    best = getattr(_score_mma_tuned, "best_config", None)
     return None if best is None else str(best)
 
 

@@ -7,10 +7,8 @@ Two launches per layer and step, grid sizes fixed by the plan (no host sync, gra
    step, with three tensor-core dots per step (basis projections of q, the centroid term, and the
    per-page contraction with the coefficients as a batched dot), then the length-S log-sum-exp in
    float32. It writes the per-head page scores and, per program, each head's running
-   (max, sum-exp) over its pages: what the share normalisation needs. Two variants:
-   ``_score_lean_kernel`` (rank 8, 16, 32; no int-to-float conversions, see its docstring) and
-   ``_score_mma_kernel`` (any rank; basis rows padded to 16). On CUDA the step size and launch
-   shape are autotuned per shape at the first call (before any graph capture).
+   (max, sum-exp) over its pages: what the share normalisation needs. On CUDA the step size and
+   launch shape are autotuned per shape at the first call (before any graph capture).
 2. ``_combine_kernel``, grid ``(chunks2, B * Hkv)``: reduces the per-program statistics to each
    head's log-sum-exp over all pages, then turns the per-head scores into the combined ranking
    (``mean_share`` Eq. 5, ``max_share`` or ``sum_mass``).
@@ -37,7 +35,6 @@ _LOG2E = tl.constexpr(LOG2E)
 RULES = {"mean_share": 0, "max_share": 1, "sum_mass": 2}
 MAX_BLOCK = 32  # pages per inner step at most (pages per program are a multiple of it)
 HEAD_DIMS = (64, 128)
-LEAN_RANKS = (8, 16, 32)  # ranks of the lean kernel; others take the padded "mma" kernel
 
 
 @triton.jit
@@ -123,130 +120,6 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
 _MMA_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
                 for b in (16, 32) for w in (4, 8) for st in (1, 2, 3)]
 _score_mma_tuned = triton.autotune(_MMA_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_mma_kernel)
-
-
-@triton.jit
-def _bits_to_f32(x, bias: tl.constexpr):
-    """Small non-negative int32 ``x`` (< 2**23) to float32 ``x - bias`` without an int-to-float
-    conversion: OR-ing it into the mantissa of 2**23 gives exactly 2**23 + x."""
-    return (x | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
-
-
-@triton.jit
-def _lean_load(btr, p0, end, h, Hkv, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr, censcale_ptr,
-               D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, KR: tl.constexpr, BLOCK: tl.constexpr):
-    """The raw summaries of pages ``p0 .. p0 + BLOCK - 1`` (masked past ``end``): bytes and scales."""
-    pb = tl.arange(0, BLOCK)
-    m = tl.arange(0, BLOCK * R)
-    jj = tl.arange(0, D // 2)
-    dd = tl.arange(0, D)
-    s_idx = tl.arange(0, S)
-    kk = tl.arange(0, KR)
-    pmask = (p0 + pb) < end
-    ph = tl.load(btr + p0 + pb, mask=pmask, other=0).to(tl.int64) * Hkv + h  # (page, head) record [BLOCK]
-    mmask = (p0 + m // R) < end
-    ph_m = tl.load(btr + p0 + m // R, mask=mmask, other=0).to(tl.int64) * Hkv + h  # [BLOCK * R]
-    by = tl.load(basis_ptr + (ph_m * R + m % R)[:, None] * (D // 2) + jj[None, :], mask=mmask[:, None], other=0)
-    bsc = tl.load(bscale_ptr + ph_m * R + m % R, mask=mmask, other=0.0)
-    cen = tl.load(cen_ptr + ph[:, None] * D + dd[None, :], mask=pmask[:, None], other=0)
-    msc = tl.load(censcale_ptr + ph, mask=pmask, other=0.0)
-    cb = tl.load(coef_ptr + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + (kk // (KR // R))[None, None, :],
-                 mask=pmask[:, None, None] & ((kk % (KR // R)) == 0)[None, None, :], other=0)  # [BLOCK, S, KR]
-    cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0)
-    return by, bsc, cen, msc, cb, cs
-
-
-@triton.jit
-def _lean_block(by, bsc, cen, msc, cb, cs, q_even, q_odd, q_all, qk_scale, GP: tl.constexpr, R: tl.constexpr,
-                KR: tl.constexpr, BLOCK: tl.constexpr, PREC_PROJ: tl.constexpr, PREC_COEF: tl.constexpr):
-    """Eq. 4 in log2 units for one block of raw summaries: ``[BLOCK, GP]``."""
-    ub = by.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x88  # nibbles offset-binary: n + 8 in [1, 15]
-    proj = tl.dot(_bits_to_f32(ub & 15, 8.0), q_even, input_precision=PREC_PROJ)
-    proj = tl.dot(_bits_to_f32(ub >> 4, 8.0), q_odd, acc=proj, input_precision=PREC_PROJ)  # [BLOCK * R, GP]
-    proj = proj * bsc.to(tl.float32)[:, None]
-    uc = cen.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80  # int8 -> offset-binary n + 128
-    qmu = tl.dot(_bits_to_f32(uc, 128.0), q_all, input_precision=PREC_PROJ) * msc.to(tl.float32)[:, None]
-    c = _bits_to_f32(cb.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80, 128.0)  # [BLOCK, S, KR]
-    p3 = tl.reshape(proj, (BLOCK, R, GP))
-    if KR > R:  # interleave zero rows: [BLOCK, R, GP] -> [BLOCK, 2R, GP], row 2r = projection r
-        p3 = tl.reshape(tl.permute(tl.join(p3, tl.zeros_like(p3)), (0, 1, 3, 2)), (BLOCK, KR, GP))
-    acc = tl.dot(c, p3, input_precision=PREC_COEF)  # [BLOCK, S, GP]
-    logit = (acc * cs.to(tl.float32)[:, :, None] + qmu[:, None, :]) * qk_scale
-    mx = tl.max(logit, axis=1)
-    return mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))
-
-
-@triton.jit
-def _score_lean_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr,
-                       censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
-                       Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
-                       GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
-                       BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PREC_PROJ: tl.constexpr,
-                       PREC_COEF: tl.constexpr):
-    """Like ``_score_mma_kernel`` with fewer instructions per page (R = 8, 16 or 32):
-
-    - no int-to-float conversions: int4/int8 payloads become float32 by mantissa bit tricks
-      (:func:`_bits_to_f32`; two's complement made offset-binary by one XOR), and the dots run
-      on float32 operands in tf32, which is exact here (small integers, bfloat16/float16 queries);
-    - no padded basis rows and no nibble interleave: the projection is two dots with K = D/2,
-      low nibbles (even elements) against q's even half, high nibbles against its odd half;
-    - for R = 8 the coefficient dot's K is padded to 16 by interleaving zero rows into the
-      projections (join) and reading each coefficient at column 2r;
-    - PREFETCH: the raw bytes of the next block are loaded before the current block is computed
-      (they are compact: ~818 B per page), so loads stay in flight during the arithmetic.
-    """
-    pid_c = tl.program_id(0)
-    row = tl.program_id(1)  # b * Hkv + h
-    b = row // Hkv
-    h = row % Hkv
-    pc = tl.load(seqlen_ptr + b) // S
-    g = tl.arange(0, GP)
-    jj = tl.arange(0, D // 2)
-    dd = tl.arange(0, D)
-    q_row = q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh
-    qm = (g < G)[None, :]
-    q_even = tl.load(q_row + 2 * jj[:, None], mask=qm, other=0.0).to(tl.float32)  # [D/2, GP]
-    q_odd = tl.load(q_row + 2 * jj[:, None] + 1, mask=qm, other=0.0).to(tl.float32)
-    q_all = tl.load(q_row + dd[:, None], mask=qm, other=0.0).to(tl.float32)  # [D, GP]
-    KR: tl.constexpr = 16 if R < 16 else R  # the coefficient dot's K
-    pb = tl.arange(0, BLOCK)
-    m_run = tl.full([GP], float("-inf"), tl.float32)
-    l_run = tl.zeros([GP], tl.float32)
-    start = pid_c * pages_per_prog
-    end = tl.minimum(start + pages_per_prog, pc)
-    btr = bt_ptr + b.to(tl.int64) * stride_bt
-    bptr = basis_ptr.to(tl.pointer_type(tl.int8))
-    if PREFETCH:
-        nby, nbsc, ncen, nmsc, ncb, ncs = _lean_load(btr, start, end, h, Hkv, bptr, bscale_ptr, coef_ptr, cscale_ptr,
-                                                     cen_ptr, censcale_ptr, D, S, R, KR, BLOCK)
-    for p0 in range(start, end, BLOCK):
-        if PREFETCH:
-            by, bsc, cen, msc, cb, cs = nby, nbsc, ncen, nmsc, ncb, ncs
-            nby, nbsc, ncen, nmsc, ncb, ncs = _lean_load(btr, p0 + BLOCK, end, h, Hkv, bptr, bscale_ptr, coef_ptr,
-                                                         cscale_ptr, cen_ptr, censcale_ptr, D, S, R, KR, BLOCK)
-        else:
-            by, bsc, cen, msc, cb, cs = _lean_load(btr, p0, end, h, Hkv, bptr, bscale_ptr, coef_ptr, cscale_ptr,
-                                                   cen_ptr, censcale_ptr, D, S, R, KR, BLOCK)
-        lse2 = _lean_block(by, bsc, cen, msc, cb, cs, q_even, q_odd, q_all, qk_scale, GP, R, KR, BLOCK, PREC_PROJ,
-                           PREC_COEF)
-        p = p0 + pb
-        pmask = p < end
-        out_off = (row * G + g)[None, :].to(tl.int64) * max_pages + p[:, None]
-        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & (g < G)[None, :])
-        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
-        m_run = m_new
-    st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GB + g
-    tl.store(st, m_run, mask=g < GB)
-    tl.store(st + GB, l_run, mask=g < GB)
-
-
-_LEAN_CONFIGS = [triton.Config({"BLOCK": b, "PREFETCH": pf}, num_warps=w, num_stages=1)
-                 for b, w, pf in ((4, 4, True), (8, 4, False), (8, 4, True), (8, 8, False), (8, 8, True),
-                                  (16, 8, False), (16, 8, True), (32, 8, True))]
-_score_lean_tuned = triton.autotune(_LEAN_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_lean_kernel)
 
 
 @triton.jit
@@ -350,23 +223,11 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
     gb = ws["stats"].shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    impl = ws.get("impl", "lean" if r in LEAN_RANKS else "mma")
-    exact = queries.dtype == torch.float32 or not queries.is_cuda  # float32 queries are not exact in tf32
     launch = ws.get("launch") or ({} if queries.is_cuda else {"BLOCK": 16})
-    tuned = queries.is_cuda and not ws.get("launch")
-    if impl == "lean":
-        if r not in LEAN_RANKS:
-            raise ValueError(f"score kernel impl='lean' needs rank in {LEAN_RANKS}, got {r}")
-        kernel = _score_lean_tuned if tuned else _score_lean_kernel
-        launch = launch if tuned else {"PREFETCH": True, **launch}
-        kw = dict(PREC_PROJ="ieee" if exact else "tf32", PREC_COEF="ieee" if exact else "tf32x3")
-    elif impl == "mma":
-        kernel = _score_mma_tuned if tuned else _score_mma_kernel
-        kw = dict(RP=max(16, triton.next_power_of_2(r)), DOT_DT=dot_dtype(queries.dtype),
-                  C_DT=tl.float32 if queries.dtype == torch.float32 else tl.float16,
-                  PRECISION="ieee" if queries.dtype == torch.float32 else "tf32")
-    else:
-        raise ValueError(f"score kernel impl={impl!r}: allowed 'lean' (rank in {LEAN_RANKS}) or 'mma'")
+    kernel = _score_mma_tuned if queries.is_cuda and not ws.get("launch") else _score_mma_kernel
+    kw = dict(RP=max(16, triton.next_power_of_2(r)), DOT_DT=dot_dtype(queries.dtype),
+              C_DT=tl.float32 if queries.dtype == torch.float32 else tl.float16,
+              PRECISION="ieee" if queries.dtype == torch.float32 else "tf32")
     kernel[(ws["n_chunks"], bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
         summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
