@@ -1,4 +1,9 @@
-"""PNG plots of task-suite results (matplotlib, headless)."""
+"""PNG plots of task-suite results (matplotlib, headless).
+
+Selectors are lines over their budgets; a compaction method (``fold@0.1``) has no budget and is
+drawn as one marker per length at x = the mean entries it kept per layer and KV head, the
+compacted cache's counterpart of a budget.
+"""
 
 from __future__ import annotations
 
@@ -6,50 +11,67 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def plot_all(rows: list[dict], cells: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
+def _avg(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _panel(ax, cells, length, field, log):
+    """One length: selector lines over budgets, compaction markers at their kept entries."""
+    here = [c for c in cells if c["length"] == length and c.get(field) is not None]
+    selectors = sorted({c["method"] for c in here if c["budget"] is not None})
+    for m in selectors:
+        budgets = sorted({c["budget"] for c in here if c["method"] == m})
+        ys = [_avg([c[field] for c in here if c["method"] == m and c["budget"] == b]) for b in budgets]
+        ax.plot(budgets, [max(y, 1e-6) for y in ys] if log else ys, marker="o", label=m)
+    for m in sorted({c["method"] for c in here if c.get("kept") is not None}):
+        cs = [c for c in here if c["method"] == m]
+        y = _avg([c[field] for c in cs])
+        ax.plot([_avg([c["kept"] for c in cs])], [max(y, 1e-6) if log else y], marker="s", ls="none", label=m)
+    ax.set_xscale("log", base=2)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(f"L={length}")
+    ax.set_xlabel("budget / kept entries (per layer and KV head)")
+
+
+def _vs_budget(cells, out: Path, field: str, fname: str, ylabel: str, *, log: bool, ref=None) -> None:
     import matplotlib.pyplot as plt
 
     lengths = sorted({c["length"] for c in cells})
-    methods = sorted({c["method"] for c in cells if c["method"] != "full"})
+    if not lengths:
+        return
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        _panel(ax, cells, length, field, log)
+        if ref is not None:
+            y = ref(length)
+            if y is not None:
+                ax.axhline(y, color="k", ls="--", label="full")
+        ax.set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / fname, dpi=110)
+    plt.close(fig)
+
+
+def _depth_heatmap(rows, cells, out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({c["length"] for c in cells})
     budgets = sorted({c["budget"] for c in cells if c["budget"] is not None})
-    # score and KL vs budget, averaged over tasks, one panel per length
-    for field, fname, log in (("score", "score_vs_budget.png", False), ("kl", "kl_vs_budget.png", True)):
-        fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
-        for ax, length in zip(axes[0], lengths):
-            for m in methods:
-                ys = []
-                for b in budgets:
-                    v = [c[field] for c in cells if c["length"] == length and c["method"] == m and c["budget"] == b and c[field] is not None]
-                    ys.append(sum(v) / len(v) if v else float("nan"))
-                if field == "kl":
-                    ys = [max(y, 1e-6) for y in ys]
-                ax.plot(budgets, ys, marker="o", label=m)
-            if field == "score":
-                fv = [c["score"] for c in cells if c["length"] == length and c["method"] == "full"]
-                if fv:
-                    ax.axhline(sum(fv) / len(fv), color="k", ls="--", label="full")
-            ax.set_xscale("log", base=2)
-            if log:
-                ax.set_yscale("log")
-            ax.set_title(f"L={length}")
-            ax.set_xlabel("budget (tokens per layer and KV head)")
-            ax.set_ylabel("mean task score" if field == "score" else "KL(full || method)")
-        axes[0][0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
-        plt.close(fig)
-    # needle depth x length heat maps at one budget
     b0 = 256 if 256 in budgets else (budgets[len(budgets) // 2] if budgets else None)
-    panels = [("full", None)] + [(m, b0) for m in methods]
+    selectors = sorted({c["method"] for c in cells if c["budget"] is not None})
+    compactions = sorted({c["method"] for c in cells if c.get("kept") is not None})
+    panels = [("full", None)] + [(m, b0) for m in selectors] + [(m, None) for m in compactions]
     bins = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0001]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)
+    im = None
     for ax, (m, b) in zip(axes[0], panels):
         grid = [[float("nan")] * (len(bins) - 1) for _ in lengths]
         acc: dict[tuple, list] = defaultdict(list)
         for r in rows:
-            if r["method"] == m and r["budget"] == b and r.get("depth") is not None:
+            if r["method"] == m and r["budget"] == b and r.get("depth") is not None and r.get("score") is not None:
                 k = next(i for i in range(len(bins) - 1) if r["depth"] < bins[i + 1])
                 acc[(lengths.index(r["length"]), k)].append(r["score"])
         for (i, k), v in acc.items():
@@ -63,3 +85,23 @@ def plot_all(rows: list[dict], cells: list[dict], out: Path) -> None:
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     fig.savefig(out / "depth_heatmap.png", dpi=110)
     plt.close(fig)
+
+
+def plot_all(rows: list[dict], cells: list[dict], out: Path, *, ppl: list[dict] | None = None) -> None:
+    """score_vs_budget.png, kl_vs_budget.png, depth_heatmap.png (scored tasks) and, with
+    ``ppl_continuation`` cells, ppl_vs_budget.png (perplexity relative to full)."""
+    import matplotlib
+    matplotlib.use("Agg")
+
+    if cells:
+        def full_score(length):
+            fv = [c["score"] for c in cells if c["length"] == length and c["method"] == "full" and c["score"] is not None]
+            return sum(fv) / len(fv) if fv else None
+
+        others = [c for c in cells if c["method"] != "full"]
+        _vs_budget(others, out, "score", "score_vs_budget.png", "mean task score", log=False, ref=full_score)
+        _vs_budget(others, out, "kl", "kl_vs_budget.png", "KL(full || method)", log=True)
+        _depth_heatmap(rows, cells, out)
+    if ppl:
+        _vs_budget([c for c in ppl if c["method"] != "full"], out, "ppl_ratio_vs_full", "ppl_vs_budget.png",
+                   "perplexity / full's (geometric mean)", log=False, ref=lambda _length: 1.0)

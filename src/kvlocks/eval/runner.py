@@ -8,6 +8,9 @@ agreement are teacher-forced on full's answer: while a method's greedy tokens eq
 own path *is* the teacher-forced path; at the first divergence the cache is forked once and the
 fork follows full's tokens.
 
+Compaction methods (``fold@0.1``, ...) decode the same suffix over the record's compacted context
+(:mod:`kvlocks.eval.session`, :mod:`kvlocks.eval.compacted`): once per record, not per budget.
+
 Results are one JSONL row per record x method x budget; a run resumes by skipping rows whose key
 is already in the file.
 """
@@ -21,10 +24,12 @@ from pathlib import Path
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.eval.decode import prefill, step
+from kvlocks.eval.compacted import CompactionSettings, RecordCompactions
+from kvlocks.eval.decode import step
+from kvlocks.eval.methods import parse_method, parse_methods
 from kvlocks.eval.metrics import exact_agreement, kl_divergence, prefix_agreement, top1_agreement
+from kvlocks.eval.session import SharedPrefill, fork_cache
 from kvlocks.eval.tasks import TaskRecord, score
-from kvlocks.integrations.hf import LocksCache
 
 
 def row_key(row: dict) -> tuple:
@@ -49,6 +54,7 @@ def _answer(model, cache, logits, max_new: int, eos: set[int], ref_tokens: list[
 
     Returns ``(tokens, logps)``: the greedy tokens, and next-token log-probs ``[V]`` per position
     along full's answer ``ref_tokens`` (teacher-forced), or along the greedy path without one.
+    The only host synchronisation per step is reading the greedy token (for EOS).
     """
     tokens: list[int] = []
     logps: list[torch.Tensor] = []
@@ -60,7 +66,7 @@ def _answer(model, cache, logits, max_new: int, eos: set[int], ref_tokens: list[
         if ref_tokens is None or (tf_cache is None and i < n_ref):
             logps.append(lp)  # still on full's path: the greedy path is the teacher-forced one
             if ref_tokens is not None and nxt != ref_tokens[i]:
-                tf_cache, tf_start = cache.fork(), i  # diverged: a fork follows full's tokens
+                tf_cache, tf_start = fork_cache(cache), i  # diverged: a fork follows full's tokens
         tokens.append(nxt)
         if nxt in eos or i == max_new - 1:  # no step for a token nothing will read
             break
@@ -71,42 +77,60 @@ def _answer(model, cache, logits, max_new: int, eos: set[int], ref_tokens: list[
     return tokens, logps
 
 
-def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConfig, eos: set[int],
-               done: dict, write) -> None:
-    """Decode one record with every method x budget not yet in ``done``; ``write(row)`` each."""
-    todo = [(m, None) for m in methods if m == "full"] + [
-        (m, b) for m in methods if m != "full" for b in budgets
-    ]
-    keys = {(m, b): (record.task, record.length, record.index, m, b) for m, b in todo}
-    if all(keys[x] in done for x in todo):
-        return
-    device = model.device
-    t0 = time.perf_counter()
-    shared = LocksCache(model.config, method="locks", config=base.replace(budget=max(budgets)))
-    ctx_logits = prefill(model, shared, torch.tensor([record.context_ids], device=device))
-    prefill_s = time.perf_counter() - t0
+def todo_of(record, methods, budgets, done: dict) -> list:
+    """``(MethodSpec, budget)`` pairs of ``record`` not yet in ``done``, ``full`` first."""
+    specs = parse_methods(methods)
+    pairs = [(s, None) for s in specs if s.kind == "full"] + [(s, None) for s in specs if s.kind == "compaction"]
+    pairs += [(s, b) for s in specs if s.budgeted for b in budgets]
+    return [(s, b) for s, b in pairs if (record.task, record.length, record.index, s.name, b) not in done]
 
-    def decode(method, budget):
-        cache = shared.fork(method=method, config=base.replace(budget=budget or max(budgets)))
-        logits = ctx_logits
-        for t in record.suffix_ids:
-            logits = step(model, cache, t)
-        return cache, logits
+
+def make_compactions(model, tok, record, prefix_ids, todo, compaction, cache_dir, progress):
+    """The record's :class:`RecordCompactions` when a compaction method is still to run, else None."""
+    if not any(s.kind == "compaction" for s, _ in todo):
+        return None
+    tag = f"{record.task}-{record.length}-s{record.seed}-i{record.index}"
+    return RecordCompactions(model, tok, prefix_ids, compaction or CompactionSettings(),
+                             cache_dir=cache_dir, tag=tag, progress=progress)
+
+
+def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConfig, eos: set[int],
+               done: dict, write, *, compaction: CompactionSettings | None = None,
+               cache_dir: Path | None = None, progress=None) -> None:
+    """Decode one record with every method x budget not yet in ``done``; ``write(row)`` each.
+
+    ``methods`` are ``--methods`` spellings (:mod:`kvlocks.eval.methods`); ``compaction`` and
+    ``cache_dir`` configure compaction methods; ``progress(str)`` is told about slow stages.
+    """
+    todo = todo_of(record, methods, budgets, done)
+    if not todo:
+        return
+    compactions = make_compactions(model, tok, record, record.context_ids, todo, compaction, cache_dir, progress)
+    shared = SharedPrefill(model, record.context_ids, base, budgets, compactions=compactions)
+    suffix = record.suffix_ids
+
+    def decode(opened):
+        logits = shared.logits
+        with opened.context():
+            for t in suffix:
+                logits = step(model, opened.cache, t)
+        return logits
 
     t1 = time.perf_counter()
-    full_cache, logits = decode("full", None)
-    ref_tokens, ref_logp = _answer(model, full_cache, logits, record.max_new_tokens, eos)
+    full = shared.open(parse_method("full"), None)
+    ref_tokens, ref_logp = _answer(model, full.cache, decode(full), record.max_new_tokens, eos)
     ref_logp = torch.stack(ref_logp) if ref_logp else None
     full_s = time.perf_counter() - t1
-    for method, budget in todo:
-        if keys[(method, budget)] in done:
-            continue
-        t1 = time.perf_counter()
-        if method == "full":
-            tokens, cache, kl, top1 = ref_tokens, full_cache, 0.0, 1.0
+    for spec, budget in todo:
+        if spec.kind == "full":
+            t1 = time.perf_counter()
+            tokens, opened, kl, top1 = ref_tokens, full, 0.0, 1.0
         else:
-            cache, logits = decode(method, budget)
-            tokens, logps = _answer(model, cache, logits, record.max_new_tokens, eos, ref_tokens)
+            opened = shared.open(spec, budget)  # compactions: fitted here, timed in compact_s
+            t1 = time.perf_counter()
+            logits = decode(opened)
+            with opened.context():
+                tokens, logps = _answer(model, opened.cache, logits, record.max_new_tokens, eos, ref_tokens)
             n = min(len(logps), ref_logp.shape[0])
             lp = torch.stack(logps[:n])
             kl = float(kl_divergence(ref_logp[:n], lp).mean())
@@ -114,12 +138,15 @@ def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConf
         text = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
         row = {
             "task": record.task, "length": record.length, "index": record.index, "seed": record.seed,
-            "depth": record.depth, "method": method, "budget": budget,
+            "depth": record.depth, "method": spec.name, "budget": budget,
             "prompt_tokens": len(record.context_ids) + len(record.suffix_ids),
             **score(record, text), "prediction": text, "references": record.references,
             "exact_agree": exact_agreement(ref_tokens, tokens), "agree16": prefix_agreement(ref_tokens, tokens, 16),
             "kl": kl, "top1": top1, "tokens": tokens,
-            "seconds": (time.perf_counter() - t1) + (full_s if method == "full" else 0.0), "prefill_s": prefill_s,
-            **{f"stats_{k}": v for k, v in cache.stats.summary().items()},
+            "seconds": (time.perf_counter() - t1) + (full_s if spec.kind == "full" else 0.0),
+            "prefill_s": shared.prefill_s, **opened.fields,
+            **{f"stats_{k}": v for k, v in opened.stats().items()},
         }
         write(row)
+    if compactions is not None:
+        compactions.cleanup()
