@@ -65,7 +65,7 @@ def sparse_decode(
     total = -(-n // page_size)
     if page_ids.shape[:-1] != keys.shape[:-2]:
         raise ValueError(f"page_ids leading dims {tuple(page_ids.shape[:-1])} != keys' {tuple(keys.shape[:-2])}")
-    if page_ids.numel() and (int(page_ids.min()) < 0 or int(page_ids.max()) >= total):
+    if page_ids.numel() and bool(((page_ids < 0) | (page_ids >= total)).any()):  # one host sync
         raise ValueError(f"page_ids must lie in [0, {total}) for N={n} tokens at page_size={page_size}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     tok = (page_ids.unsqueeze(-1) * page_size + torch.arange(page_size, device=keys.device)).flatten(-2)  # [..., K*S]

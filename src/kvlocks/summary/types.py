@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,8 @@ class PageSummaries:
     centroid_scale: torch.Tensor | None
     tau: torch.Tensor
     sigma: torch.Tensor
+    # dequantized views, computed once: the stored tensors are never modified in place
+    _float: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # the axis that indexes pages, per stored field
     _PAGE_AXIS = {"basis": -3, "coef": -3, "basis_scale": -2, "coef_scale": -2, "centroid": -2,
@@ -56,21 +58,39 @@ class PageSummaries:
     def lead_shape(self) -> tuple[int, ...]:
         return tuple(self.coef.shape[:-3])
 
+    # page axis of each dequantized view, for extending the cache on cat()
+    _FLOAT_AXIS = {"basis": -3, "coef": -3, "centroid": -2}
+
+    def _cached(self, name: str, fn) -> torch.Tensor:
+        t = self._float.get(name)
+        if t is None:
+            t = self._float[name] = fn()
+        return t
+
     def basis_float(self) -> torch.Tensor:
-        """Dequantized basis, float32 ``[..., P, R, D]``."""
+        """Dequantized basis, float32 ``[..., P, R, D]`` (computed once per object)."""
+        return self._cached("basis", self._basis_float)
+
+    def coef_float(self) -> torch.Tensor:
+        """Dequantized coefficients, float32 ``[..., P, S, R]`` (computed once per object)."""
+        return self._cached("coef", self._coef_float)
+
+    def centroid_float(self) -> torch.Tensor:
+        """Dequantized centroids, float32 ``[..., P, D]`` (computed once per object)."""
+        return self._cached("centroid", self._centroid_float)
+
+    def _basis_float(self) -> torch.Tensor:
         if self.basis_bits == 16:
             return self.basis.float()
         q = self.basis if self.basis_bits == 8 else unpack_bits(self.basis, self.basis_bits)
         return q.float() * self.basis_scale.float()[..., None]
 
-    def coef_float(self) -> torch.Tensor:
-        """Dequantized coefficients, float32 ``[..., P, S, R]``."""
+    def _coef_float(self) -> torch.Tensor:
         if self.coef_bits == 16:
             return self.coef.float()
         return self.coef.float() * self.coef_scale.float()[..., None]
 
-    def centroid_float(self) -> torch.Tensor:
-        """Dequantized centroids, float32 ``[..., P, D]``."""
+    def _centroid_float(self) -> torch.Tensor:
         if self.coef_bits == 16:
             return self.centroid.float()
         return self.centroid.float() * self.centroid_scale.float()[..., None]
@@ -119,4 +139,7 @@ class PageSummaries:
             other.page_size, other.rank, other.head_dim, other.basis_bits, other.coef_bits
         ):
             raise ValueError("cannot concatenate summaries built with different configs")
-        return self._map(lambda f, t: torch.cat([t, getattr(other, f)], dim=self._PAGE_AXIS[f]))
+        out = self._map(lambda f, t: torch.cat([t, getattr(other, f)], dim=self._PAGE_AXIS[f]))
+        for name, t in self._float.items():  # extend the dequantized views: only the new pages are converted
+            out._float[name] = torch.cat([t, getattr(other, f"{name}_float")()], dim=self._FLOAT_AXIS[name])
+        return out
