@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from . import attention
 from .passes import QueryPass
+from kvlocks.integrations.hf import cache_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -179,11 +180,12 @@ PASS_CHUNK = 1024
 @torch.inference_mode()
 def _run_pass(model, cache: RecordingCache, ids: torch.Tensor, generate: int, chunk: int) -> None:
     ids = ids.to(model.device)
+    kw = cache_kwargs(model, cache)  # "cache" or "past_key_values", by transformers version
     for start in range(0, ids.shape[1], chunk):
-        out = model(input_ids=ids[:, start:start + chunk], cache=cache, use_cache=True)
+        out = model(input_ids=ids[:, start:start + chunk], use_cache=True, **kw)
     for _ in range(generate):
         nxt = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
-        out = model(input_ids=nxt, cache=cache, use_cache=True)
+        out = model(input_ids=nxt, use_cache=True, **kw)
 
 
 def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
