@@ -149,9 +149,6 @@ def write_report(summary: dict, out: Path) -> Path:
         lines += _table(["T", "t", "fits", "trf s", "bvls s", "bvls/trf", "max rel_obj", "max dbeta"],
                         [[r["T"], r["t"], r["fits"], r["trf_s"], r["bvls_s"], r["speedup"],
                           r["max_rel_obj"], r["max_dbeta"]] for r in agg["bias_solvers"]["by_t"]])
-    for key in ("timing_8k",):
-        if key in agg:
-            lines += [f"8K prefix: `{json.dumps(agg[key])}`", ""]
     lines += ["Plots: `fold_am_heatmap.png`, `fold_am_by_delta.png`, `qu_hist.png`, "
               "`qu_per_layer.png`, `kl_settings.png`.", ""]
     path = Path(out) / "report.md"

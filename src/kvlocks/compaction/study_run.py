@@ -24,6 +24,7 @@ import torch
 from .study_config import StudyConfig
 from .study_measure import DELTA_EDGES
 from .study_record import study_record
+from .study_summary import commit, versions
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ def run_study(cfg: StudyConfig, out: Path, *, model=None, tok=None, progress: bo
                         **{w: torch.cat(s).numpy().astype(np.float16) for w, s in samples.items() if s},
                         **{f"hist_{w}": np.asarray(c, dtype=np.int64) for w, c in hist.items()})
     meta = {"config": cfg.to_json(), "wall_s": time.perf_counter() - start,
-            "device": str(model.device), "delta_edges": list(DELTA_EDGES)}
+            "device": str(model.device), "delta_edges": list(DELTA_EDGES), "commit": commit(),
+            "versions": versions()}
     (out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
     return rebuild(out)
 
@@ -133,7 +135,8 @@ def rebuild(out: Path) -> dict:
     extra = {"bias_solvers": {"by_t": summarize_solvers(solvers), "fits": solvers}} if solvers else None
     summary = summarize(cfg, heads, records, qu_layers_from_heads(heads), hist, qu,
                         wall_s=meta["wall_s"], device=meta["device"], extra=extra,
-                        delta_edges=tuple(meta.get("delta_edges", DELTA_EDGES)))
+                        delta_edges=tuple(meta.get("delta_edges", DELTA_EDGES)),
+                        run_commit=meta.get("commit"), run_versions=meta.get("versions"))
     old = out / "summary.json"
     if not qu and old.is_file():  # no samples on disk: keep the quantiles the run computed
         previous = json.loads(old.read_text())["aggregate"]["qu_minus_1"]

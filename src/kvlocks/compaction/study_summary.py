@@ -31,7 +31,8 @@ EARLY_LAYERS = 7  # "early" = layers 0..6, as in the paper's layer study
 BASELINES = ("drop", "drop_refit", "am", "rank1", "merge_fold")
 
 
-def _commit() -> str:
+def commit() -> str:
+    """``git rev-parse HEAD`` of the source tree, or ``"unknown"``."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=5)
@@ -40,7 +41,8 @@ def _commit() -> str:
         return "unknown"
 
 
-def _versions() -> dict:
+def versions() -> dict:
+    """Python, torch, transformers, scipy and kvlocks versions and torch's thread count."""
     import scipy
     import torch
     import transformers
@@ -240,12 +242,14 @@ def qu_layers_from_heads(heads: list[dict]) -> list[dict]:
 
 def summarize(cfg: StudyConfig, heads: list[dict], records: list[dict], qu_layers: list[dict],
               hist: dict, qu: dict, *, wall_s: float, device: str, extra: dict | None = None,
-              delta_edges: tuple[int, ...] = DELTA_EDGES) -> dict:
+              delta_edges: tuple[int, ...] = DELTA_EDGES, run_commit: str | None = None,
+              run_versions: dict | None = None) -> dict:
     """The ``summary.json`` object (module docstring).
 
     ``qu_layers``: :func:`qu_layers_from_heads`; ``hist``: q.u - 1 histograms (``near``/``far``);
     ``qu``: pooled q.u - 1 samples (arrays) for the quantiles; ``extra``: more aggregate blocks;
-    ``delta_edges``: the distance bins the rows' ``err_far_bins`` were measured with.
+    ``delta_edges``: the distance bins the rows' ``err_far_bins`` were measured with;
+    ``run_commit``, ``run_versions``: those of the run (default: the current ones).
     """
     ratios = _ratio_block(heads, cfg, tuple(delta_edges))
     kl = _kl_block(records, cfg)
@@ -290,6 +294,6 @@ def summarize(cfg: StudyConfig, heads: list[dict], records: list[dict], qu_layer
     if extra:
         aggregate.update(extra)
     return {"config": cfg.to_json(), "compaction_defaults": cfg.compaction("fold", cfg.ratios[0]).to_json(),
-            "commit": _commit(), "versions": _versions(), "device": device,
+            "commit": run_commit or commit(), "versions": run_versions or versions(), "device": device,
             "wall_s": round(wall_s, 1), "n_records": len({_rec(r) for r in records}),
             "targets": targets, "aggregate": aggregate, "rows": _rows(heads, records)}
