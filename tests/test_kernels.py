@@ -112,6 +112,47 @@ def test_score_kernel_step_sizes_agree(launch):
     _assert_scores_match(got, exp, seq)
 
 
+@pytest.mark.parametrize("lens,g,d,dtype,dot", [
+    ("a", 1, 64, F32, "auto"), ("b", 3, 128, BF16, "auto"), ("c", 4, 64, F16, "auto"), ("b", 4, 128, BF16, "fp16"),
+    ("c", 2, 128, F16, "fp16"),
+])
+def test_packed_score_kernel_matches_reference(lens, g, d, dtype, dot):
+    """The small-group kernel (portable unpacking; float16 dots with q scaled into range for dot="fp16")."""
+    from kvlocks.scoring import triton_packed
+
+    q, k, _, table, seq = make_paged(LENS[lens], 2, g, d, dtype)
+    store = built_store(k, table, seq, LocksConfig())
+    got = triton_packed.score_pages_packed(q, store, table, seq, launch={"BLOCK": 8}, unpack=1, dot=dot)
+    exp = score_pages(q, store, table, seq, backend="torch")
+    _assert_scores_match(got, exp, seq)
+
+
+def test_packed_score_kernel_scales_large_and_small_queries():
+    """float16 dots stay exact when q is far outside float16's range (power-of-two scaling)."""
+    from kvlocks.scoring import triton_packed
+
+    q, k, _, table, seq = make_paged(LENS["c"], 2, 4, 64, F32)
+    store = built_store(k, table, seq, LocksConfig())
+    for factor in (3e5, 1e-6):
+        qs = (q * factor).to(BF16)
+        got = triton_packed.score_pages_packed(qs, store, table, seq, launch={"BLOCK": 8}, unpack=1, dot="fp16",
+                                               scale=1.0 / factor)
+        exp = score_pages(qs, store, table, seq, backend="torch", scale=1.0 / factor)
+        _assert_scores_match(got, exp, seq)
+
+
+@pytest.mark.skipif(not CUDA, reason="inline PTX unpacking runs on CUDA only (GPU runs: scripts/device/score_probe.py --check)")
+def test_packed_score_kernel_ptx_unpack_matches_reference():
+    from kvlocks.scoring import triton_packed
+
+    for g, d in ((1, 64), (3, 128), (4, 128)):
+        q, k, _, table, seq = make_paged(LENS["b"], 2, g, d, BF16)
+        store = built_store(k, table, seq, LocksConfig())
+        got = triton_packed.score_pages_packed(q, store, table, seq, unpack=2)
+        exp = score_pages(q, store, table, seq, backend="torch")
+        _assert_scores_match(got, exp, seq)
+
+
 def test_score_adapters_same_signature():
     pages = torch.randn(2, 5, S, 64, device=DEV)
     summ = build_summaries(pages, LocksConfig())

@@ -37,8 +37,8 @@ SHAPES = {  # Hkv, G, D, layers
     "glm4-9b-1m": (4, 8, 128, 40),
 }
 # score-kernel variants measured beside the (autotuned) default at the largest context, batch 1
-SCORE_VARIANTS = {f"x_score_b{b}_w{w}_s{st}": {"launch": {"BLOCK": b, "num_warps": w, "num_stages": st}}
-                  for b, w, st in ((16, 4, 1), (32, 4, 2), (16, 8, 2))}
+# the three-dot kernel beside the default (which is the packed kernel for G <= 4 on CUDA)
+SCORE_VARIANTS = {"x_score_mma": {"kernel": "mma"}}
 METHODS = ("dense_sdpa", "dense_splitk", "locks_score", "locks_select", "locks_attend", "locks_total", "build")
 
 
@@ -242,11 +242,13 @@ def _methods(case, device):
 
 
 def _tuned_score_config() -> str | None:
-    """The launch configuration the score kernel's autotuner chose last (None on the CPU)."""
+    """The launch configurations the score kernels' autotuners chose last (None on the CPU)."""
     from kvlocks.scoring.triton import _score_mma_tuned
+    from kvlocks.scoring.triton_packed import _score_packed_tuned
 
-    best = getattr(_score_mma_tuned, "best_config", None)
-    return None if best is None else str(best)
+    best = {name: str(k.best_config) for name, k in (("mma", _score_mma_tuned), ("packed", _score_packed_tuned))
+            if getattr(k, "best_config", None) is not None}
+    return str(best) if best else None
 
 
 def _tuned_build_config() -> str | None:

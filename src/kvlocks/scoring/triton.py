@@ -205,7 +205,9 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     queries : ``[B, Hq, D]`` float32/bfloat16/float16, Hq = Hkv * G (head ``h * G + g``)
     summaries : :class:`PagedSummaries` indexed by physical page id
     block_table : int32 ``[B, max_pages]``; seq_lens : int32 ``[B]`` (tokens per sequence)
-    workspace : from :func:`score_workspace` (allocated here when omitted)
+    workspace : from :func:`score_workspace` (allocated here when omitted); ``workspace["kernel"]``
+        may pin ``"mma"`` (three-dot kernel) or ``"packed"`` (:mod:`kvlocks.scoring.triton_packed`);
+        by default the packed kernel runs where it measured faster (CUDA, G <= 4, rank 8)
 
     Returns
     -------
@@ -221,6 +223,14 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     g = hq // hkv
     max_pages = block_table.shape[1]
     ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
+    choice = ws.get("kernel", "auto")
+    if choice not in ("auto", "packed", "mma"):
+        raise ValueError(f"workspace kernel {choice!r}: allowed 'auto', 'packed', 'mma'")
+    from kvlocks.scoring import triton_packed  # noqa: PLC0415 (imports this module)
+
+    if choice == "packed" or (choice == "auto" and triton_packed.supports(queries, g, r)):
+        return triton_packed.score_pages_packed(queries, summaries, block_table, seq_lens, scale=scale,
+                                                combine=combine, launch=ws.get("launch"), workspace=ws)
     gb = ws["stats"].shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     launch = ws.get("launch") or ({} if queries.is_cuda else {"BLOCK": 16})

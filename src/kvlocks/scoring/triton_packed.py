@@ -1,0 +1,202 @@
+"""Page scoring (Eq. 4) for small GQA groups (G <= 4): the "packed" score kernel.
+
+Same inputs, outputs and combine step as :func:`kvlocks.scoring.triton.score_pages_paged`, which
+dispatches here on CUDA for half-precision queries, G <= 4 and rank 8. Per step of BLOCK pages:
+
+- the basis tile is ``[BLOCK * R, D / 2]`` bytes (no padded rows) and the projection is two
+  float16 tensor-core dots with K = D / 2: low nibbles (even elements) against q's even half,
+  high nibbles against its odd half, so no interleave;
+- on CUDA the nibbles become float16 by packed half2 arithmetic in inline PTX
+  (:func:`_int4_pairs_to_f16`, 1.25 instructions per value instead of ~5; exact); q is scaled by a
+  power of two into float16's range first and the scale is undone on the float32 result;
+- int8 centroid and coefficients become float32 by OR-ing them into the mantissa of 2**23 (no
+  int-to-float conversion instructions; exact);
+- the query-head dimension is G rounded up to a power of two, not padded to 16, and the
+  per-page coefficient contraction is float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (exact;
+  Triton 3.6 has no tensor-core dot with K = R = 8). This is why the kernel is for small G: at
+  G = 8 the broadcast is twice as large and the kernel ran 2.5-8x slower than the three-dot one.
+
+H200, 1M tokens, llama3-8b shape (G = 4), batch 1: 639 us against 944 us for the three-dot kernel
+(``scripts/device/score_probe.py``; analysis in ``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlocks.cache.layout import PagedSummaries, dot_dtype
+from kvlocks.scoring.triton import LOG2E, _combine_launch, score_workspace
+
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _small_int_to_f32(x, bias: tl.constexpr, UNPACK: tl.constexpr):
+    """int32 ``x`` in [0, 2**23) to float32 ``x - bias``, exactly."""
+    if UNPACK >= 1:
+        return (x | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+    else:
+        return x.to(tl.float32) - bias
+
+
+@triton.jit
+def _int4_pairs_to_f16(by):
+    """uint8 bytes (two int4, two's complement) -> (low nibble, high nibble) as float16, four bytes
+    per call with packed half2 arithmetic: bytes spread to 16-bit lanes (prmt), each nibble OR-ed
+    into the mantissa of 1024 with its sign bit flipped (lop3), then one sub/fma per two values.
+    Exact. CUDA only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, k0, k1, k2, k3;
+        mov.b32 k0, 0x64086408;
+        mov.b32 k1, 0x2C002C00;
+        mov.b32 k2, 0xD480D480;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        lop3.b32 $0, t0, 0x000F000F, 0x64086408, 0x6a;
+        lop3.b32 $1, t1, 0x000F000F, 0x64086408, 0x6a;
+        lop3.b32 $2, t0, 0x00F000F0, 0x64806480, 0x6a;
+        lop3.b32 $3, t1, 0x00F000F0, 0x64806480, 0x6a;
+        sub.f16x2 $0, $0, k0;
+        sub.f16x2 $1, $1, k0;
+        fma.rn.f16x2 $2, $2, k1, k2;
+        fma.rn.f16x2 $3, $3, k1, k2;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[by], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr,
+                     censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
+                     Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
+                     GQ: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
+                     DOT_DT: tl.constexpr, PREC: tl.constexpr, UNPACK: tl.constexpr):
+    pid_c = tl.program_id(0)
+    row = tl.program_id(1)  # b * Hkv + h
+    b = row // Hkv
+    h = row % Hkv
+    pc = tl.load(seqlen_ptr + b) // S
+    g = tl.arange(0, GQ)
+    gm = (g < G)[None, :]
+    jj = tl.arange(0, D // 2)
+    dd = tl.arange(0, D)
+    q_row = q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh
+    q_even = tl.load(q_row + 2 * jj[:, None], mask=gm, other=0.0).to(tl.float32)  # [D/2, GQ]
+    q_odd = tl.load(q_row + 2 * jj[:, None] + 1, mask=gm, other=0.0).to(tl.float32)
+    q_all = tl.load(q_row + dd[:, None], mask=gm, other=0.0).to(tl.float32)  # [D, GQ]
+    if DOT_DT == tl.float16:  # scale q by a power of two into float16's range (exact), undone below
+        qmax = tl.max(tl.max(tl.abs(q_all), axis=1), axis=0)
+        e = tl.where(qmax > 0, tl.floor(tl.log2(16384.0 / tl.where(qmax > 0, qmax, 1.0))), 0.0)
+        e = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
+        q_scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        q_unscale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        q_even = q_even * q_scale
+        q_odd = q_odd * q_scale
+        q_all = q_all * q_scale
+    else:
+        q_unscale = 1.0
+    q_even = q_even.to(DOT_DT)
+    q_odd = q_odd.to(DOT_DT)
+    q_all = q_all.to(DOT_DT)
+    m = tl.arange(0, BLOCK * R)
+    mp = m // R
+    mr = m % R
+    s_idx = tl.arange(0, S)
+    r_idx = tl.arange(0, R)
+    pb = tl.arange(0, BLOCK)
+    m_run = tl.full([GQ], float("-inf"), tl.float32)
+    l_run = tl.zeros([GQ], tl.float32)
+    start = pid_c * pages_per_prog
+    end = tl.minimum(start + pages_per_prog, pc)
+    btr = bt_ptr + b.to(tl.int64) * stride_bt
+    basis_u8 = basis_ptr.to(tl.pointer_type(tl.uint8))
+    cen_u8 = cen_ptr.to(tl.pointer_type(tl.uint8))
+    coef_u8 = coef_ptr.to(tl.pointer_type(tl.uint8))
+    for p0 in range(start, end, BLOCK):
+        p = p0 + pb
+        pmask = p < end
+        ph = tl.load(btr + p, mask=pmask, other=0).to(tl.int64) * Hkv + h  # (page, head) record [BLOCK]
+        mmask = (p0 + mp) < end
+        ph_m = tl.load(btr + p0 + mp, mask=mmask, other=0).to(tl.int64) * Hkv + h  # [BLOCK * R]
+        by = tl.load(basis_u8 + (ph_m * R + mr)[:, None] * (D // 2) + jj[None, :], mask=mmask[:, None], other=0)
+        if UNPACK == 2:
+            lo, hi = _int4_pairs_to_f16(by)
+        else:
+            by = by.to(tl.int32) ^ 0x88  # nibbles offset-binary: n + 8
+            lo = _small_int_to_f32(by & 15, 8.0, UNPACK).to(DOT_DT)
+            hi = _small_int_to_f32(by >> 4, 8.0, UNPACK).to(DOT_DT)
+        proj = tl.dot(lo, q_even, input_precision=PREC)
+        proj = tl.dot(hi, q_odd, acc=proj, input_precision=PREC)  # [BLOCK * R, GQ]
+        proj = proj * (tl.load(bscale_ptr + ph_m * R + mr, mask=mmask, other=0.0).to(tl.float32) * q_unscale)[:, None]
+        cb = tl.load(cen_u8 + ph[:, None] * D + dd[None, :], mask=pmask[:, None], other=0x80).to(tl.int32) ^ 0x80
+        qmu = tl.dot(_small_int_to_f32(cb, 128.0, UNPACK).to(DOT_DT), q_all, input_precision=PREC)  # [BLOCK, GQ]
+        qmu = qmu * (tl.load(censcale_ptr + ph, mask=pmask, other=0.0).to(tl.float32) * q_unscale)[:, None]
+        ccb = tl.load(coef_u8 + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + r_idx[None, None, :],
+                      mask=pmask[:, None, None], other=0x80).to(tl.int32) ^ 0x80
+        c = _small_int_to_f32(ccb, 128.0, UNPACK)  # [BLOCK, S, R] float32, exact
+        p3 = tl.reshape(proj, (BLOCK, R, GQ))
+        acc = tl.sum(c[:, :, :, None] * p3[:, None, :, :], axis=2)  # [BLOCK, S, GQ], float32 FMAs
+        cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
+        logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
+        mx = tl.max(logit, axis=1)
+        lse2 = mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))  # [BLOCK, GQ]
+        out_off = (row * G + g)[None, :].to(tl.int64) * max_pages + p[:, None]
+        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & gm)
+        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
+        m_run = m_new
+    st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GQ + g
+    tl.store(st, m_run)
+    tl.store(st + GQ, l_run)
+
+
+# launch shapes measured best on the H200 (scripts/device/score_probe.py); tuned once per shape on CUDA
+_PACKED_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
+                   for b, w, st in ((32, 4, 2), (16, 2, 2), (32, 4, 1), (16, 4, 2))]
+_score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
+    _score_packed_kernel)
+
+
+def supports(queries: torch.Tensor, group: int, rank: int) -> bool:
+    """Whether :func:`score_pages_packed` is the faster kernel for this case (measured: G <= 4, R = 8)."""
+    return queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and group <= 4 and rank == 8
+
+
+def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
+                   launch: dict | None = None, workspace: dict | None = None, unpack: int | None = None,
+                   dot: str = "auto"):
+    """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`.
+
+    ``unpack``: 2 = inline-PTX half2 unpacking (CUDA only, the default there), 1 = portable bit
+    tricks (the Triton interpreter). ``dot="fp16"`` runs the projection dots in float16 for
+    bfloat16 queries too (always so with ``unpack=2``), to test that path in the interpreter.
+    """
+    bsz, hq, d = queries.shape
+    hkv, s, r = summaries.num_kv_heads, summaries.page_size, summaries.rank
+    g = hq // hkv
+    max_pages = block_table.shape[1]
+    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    tuned = queries.is_cuda and not launch
+    kernel = _score_packed_tuned if tuned else _score_packed_kernel
+    launch = {} if tuned else dict(launch or {"BLOCK": 16})
+    half = queries.dtype != torch.float32
+    if unpack is None:
+        unpack = 2 if half and queries.is_cuda else 1
+    dot_dt = tl.float16 if half and (unpack == 2 or dot == "fp16") else dot_dtype(queries.dtype)
+    kernel[(ws["n_chunks"], bsz * hkv)](
+        queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
+        summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
+        seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
+        GQ=triton.next_power_of_2(g), D=d, S=s, R=r, DOT_DT=dot_dt,
+        PREC="tf32" if half else "ieee", UNPACK=unpack, **launch,
+    )
+    _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
+    return ws["scores"], ws["lse"], ws["ranking"]
