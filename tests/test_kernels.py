@@ -112,17 +112,20 @@ def test_score_kernel_step_sizes_agree(launch):
     _assert_scores_match(got, exp, seq)
 
 
-@pytest.mark.parametrize("lens,g,d,dtype,dot", [
-    ("a", 1, 64, F32, "auto"), ("b", 3, 128, BF16, "auto"), ("c", 4, 64, F16, "auto"), ("b", 4, 128, BF16, "fp16"),
-    ("c", 2, 128, F16, "fp16"),
+@pytest.mark.parametrize("lens,g,d,dtype,dot,coef,block", [
+    ("a", 1, 64, F32, "auto", 2, 8), ("b", 3, 128, BF16, "auto", 3, 8), ("c", 4, 64, F16, "auto", 2, 8),
+    ("b", 4, 128, BF16, "fp16", 3, 16), ("c", 2, 128, F16, "fp16", 3, 8), ("b", 8, 128, BF16, "fp16", 3, 16),
+    ("a", 6, 64, F32, "auto", 3, 8), ("c", 8, 64, F16, "auto", 2, 8),
 ])
-def test_packed_score_kernel_matches_reference(lens, g, d, dtype, dot):
-    """The small-group kernel (portable unpacking; float16 dots with q scaled into range for dot="fp16")."""
+def test_packed_score_kernel_matches_reference(lens, g, d, dtype, dot, coef, block):
+    """The packed kernel (portable unpacking; float16 dots with q scaled into range for dot="fp16"),
+    both coefficient contractions (3: block-diagonal page-pair dots, 2: FMA broadcast)."""
     from kvlocks.scoring import triton_packed
 
     q, k, _, table, seq = make_paged(LENS[lens], 2, g, d, dtype)
     store = built_store(k, table, seq, LocksConfig())
-    got = triton_packed.score_pages_packed(q, store, table, seq, launch={"BLOCK": 8}, unpack=1, dot=dot)
+    got = triton_packed.score_pages_packed(q, store, table, seq, launch={"BLOCK": block}, unpack=1, dot=dot,
+                                           coef=coef)
     exp = score_pages(q, store, table, seq, backend="torch")
     _assert_scores_match(got, exp, seq)
 
@@ -145,7 +148,7 @@ def test_packed_score_kernel_scales_large_and_small_queries():
 def test_packed_score_kernel_ptx_unpack_matches_reference():
     from kvlocks.scoring import triton_packed
 
-    for g, d in ((1, 64), (3, 128), (4, 128)):
+    for g, d in ((1, 64), (2, 64), (3, 128), (4, 128), (8, 128)):
         q, k, _, table, seq = make_paged(LENS["b"], 2, g, d, BF16)
         store = built_store(k, table, seq, LocksConfig())
         got = triton_packed.score_pages_packed(q, store, table, seq, unpack=2)

@@ -1,7 +1,7 @@
-"""Page scoring (Eq. 4) for small GQA groups (G <= 4): the "packed" score kernel.
+"""Page scoring (Eq. 4) for GQA groups up to 8: the "packed" score kernel.
 
 Same inputs, outputs and combine step as :func:`kvlocks.scoring.triton.score_pages_paged`, which
-dispatches here on CUDA for half-precision queries, G <= 4 and rank 8. Per step of BLOCK pages:
+dispatches here on CUDA for half-precision queries, G <= 8 and rank 8. Per step of BLOCK pages:
 
 - the basis tile is ``[BLOCK * R, D / 2]`` bytes (no padded rows) and the projection is two
   float16 tensor-core dots with K = D / 2: low nibbles (even elements) against q's even half,
@@ -9,15 +9,18 @@ dispatches here on CUDA for half-precision queries, G <= 4 and rank 8. Per step 
 - on CUDA the nibbles become float16 by packed half2 arithmetic in inline PTX
   (:func:`_int4_pairs_to_f16`, 1.25 instructions per value instead of ~5; exact); q is scaled by a
   power of two into float16's range first and the scale is undone on the float32 result;
-- int8 centroid and coefficients become float32 by OR-ing them into the mantissa of 2**23 (no
+- int8 centroid and coefficients become floats by OR-ing them into the mantissa of 2**23 (no
   int-to-float conversion instructions; exact);
-- the query-head dimension is G rounded up to a power of two, not padded to 16, and the
-  per-page coefficient contraction is float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (exact;
-  Triton 3.6 has no tensor-core dot with K = R = 8). This is why the kernel is for small G: at
-  G = 8 the broadcast is twice as large and the kernel ran 2.5-8x slower than the three-dot one.
+- the query-head dimension is G rounded up to a power of two, not padded to 16;
+- the per-page coefficient contraction (K = R = 8, below Triton 3.6's minimum of 16 for a dot)
+  takes pages in pairs: block-diagonal ``[2S, 2R]`` coefficients times the pair's stacked
+  ``[2R, G]`` projections, two float16 tensor-core dots on an exact hi/lo split (COEF = 3), or
+  float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (COEF = 2: for G = 1, where Triton 3.6
+  miscompiles the pair dot at 16 pages per step; the broadcast spills registers from G = 8).
 
-H200, 1M tokens, llama3-8b shape (G = 4), batch 1: 639 us against 944 us for the three-dot kernel
-(``scripts/device/score_probe.py``; analysis in ``docs/benchmarks.md``).
+H200, 1M tokens, batch 1: 456 us (llama3-8b shape, G = 4) and 246 us (glm4-9b-1m, G = 8) against
+952 / 498 us for the three-dot kernel (``scripts/device/score_probe.py``; analysis in
+``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
                      censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
                      Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
                      GQ: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
-                     DOT_DT: tl.constexpr, PREC: tl.constexpr, UNPACK: tl.constexpr):
+                     DOT_DT: tl.constexpr, PREC: tl.constexpr, UNPACK: tl.constexpr,
+                     COEF: tl.constexpr = 2):
     pid_c = tl.program_id(0)
     row = tl.program_id(1)  # b * Hkv + h
     b = row // Hkv
@@ -135,11 +139,34 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
         cb = tl.load(cen_u8 + ph[:, None] * D + dd[None, :], mask=pmask[:, None], other=0x80).to(tl.int32) ^ 0x80
         qmu = tl.dot(_small_int_to_f32(cb, 128.0, UNPACK).to(DOT_DT), q_all, input_precision=PREC)  # [BLOCK, GQ]
         qmu = qmu * (tl.load(censcale_ptr + ph, mask=pmask, other=0.0).to(tl.float32) * q_unscale)[:, None]
-        ccb = tl.load(coef_u8 + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + r_idx[None, None, :],
-                      mask=pmask[:, None, None], other=0x80).to(tl.int32) ^ 0x80
-        c = _small_int_to_f32(ccb, 128.0, UNPACK)  # [BLOCK, S, R] float32, exact
-        p3 = tl.reshape(proj, (BLOCK, R, GQ))
-        acc = tl.sum(c[:, :, :, None] * p3[:, None, :, :], axis=2)  # [BLOCK, S, GQ], float32 FMAs
+        if COEF == 2:
+            ccb = tl.load(coef_u8 + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + r_idx[None, None, :],
+                          mask=pmask[:, None, None], other=0x80).to(tl.int32) ^ 0x80
+            c = _small_int_to_f32(ccb, 128.0, UNPACK)  # [BLOCK, S, R] float32, exact
+            p3 = tl.reshape(proj, (BLOCK, R, GQ))
+            acc = tl.sum(c[:, :, :, None] * p3[:, None, :, :], axis=2)  # [BLOCK, S, GQ], float32 FMAs
+        else:  # pages in pairs: block-diagonal coefficients [2S, 2R] x projections [2R, GQ], K = 2R = 16
+            # (Triton 3.6 has no dot with K = R = 8); the projections as an exact float16 hi/lo pair
+            ii = tl.arange(0, 2 * S)
+            kk = tl.arange(0, 2 * R)
+            pair = tl.arange(0, BLOCK // 2)
+            pg = 2 * pair[:, None, None] + (ii // S)[None, :, None]  # page of row i within the block
+            diag = ((ii // S)[:, None] == (kk // R)[None, :])[None, :, :] & (p0 + pg < end)
+            php = tl.load(btr + p0 + pg, mask=diag, other=0).to(tl.int64) * Hkv + h
+            ccb = tl.load(coef_u8 + php * (S * R) + ((ii % S) * R)[None, :, None] + (kk % R)[None, None, :],
+                          mask=diag, other=0).to(tl.int32) ^ 0x80  # off the diagonal: raw 0 = value 0
+            c2 = _small_int_to_f32(ccb, 128.0, UNPACK).to(tl.float16)  # [BLOCK/2, 2S, 2R], exact
+            p3 = tl.reshape(proj, (BLOCK // 2, 2 * R, GQ))
+            # per (pair, head) power-of-two scale into float16's range, undone on the float32 result
+            pmax = tl.max(tl.abs(p3), axis=1)  # [BLOCK/2, GQ]
+            e = tl.where(pmax > 0, tl.floor(tl.log2(16384.0 / tl.where(pmax > 0, pmax, 1.0))), 0.0)
+            e = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
+            p3 = p3 * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None, :]
+            p_hi = p3.to(tl.float16)
+            acc = tl.dot(c2, p_hi)
+            acc = tl.dot(c2, (p3 - p_hi.to(tl.float32)).to(tl.float16), acc=acc)  # [BLOCK/2, 2S, GQ]
+            acc = acc * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None, :]
+            acc = tl.reshape(acc, (BLOCK, S, GQ))
         cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
         logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
         mx = tl.max(logit, axis=1)
@@ -158,24 +185,27 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
 
 # launch shapes measured best on the H200 (scripts/device/score_probe.py); tuned once per shape on CUDA
 _PACKED_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
-                   for b, w, st in ((32, 4, 2), (16, 2, 2), (32, 4, 1), (16, 4, 2))]
+                   for b, w, st in ((16, 2, 2), (32, 4, 2), (32, 4, 1), (16, 4, 2))]
 _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
     _score_packed_kernel)
 
 
 def supports(queries: torch.Tensor, group: int, rank: int) -> bool:
-    """Whether :func:`score_pages_packed` is the faster kernel for this case (measured: G <= 4, R = 8)."""
-    return queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and group <= 4 and rank == 8
+    """Whether :func:`score_pages_packed` is the faster kernel here (measured on the H200: G = 4 and
+    G = 8 at rank 8, about 2x the three-dot kernel; G = 16 and other ranks not measured)."""
+    return queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and group <= 8 and rank == 8
 
 
 def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
                    launch: dict | None = None, workspace: dict | None = None, unpack: int | None = None,
-                   dot: str = "auto"):
+                   dot: str = "auto", coef: int | None = None):
     """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`.
 
     ``unpack``: 2 = inline-PTX half2 unpacking (CUDA only, the default there), 1 = portable bit
-    tricks (the Triton interpreter). ``dot="fp16"`` runs the projection dots in float16 for
+    tricks (the Triton interpreter). ``coef``: 3 = the coefficient contraction as float16 tensor-core
+    dots on block-diagonal page pairs (default for G >= 2), 2 = float32 FMAs on a broadcast (default
+    for G = 1: Triton 3.6 miscompiles the pair dot with N = 1 at 16 pages per step). ``dot="fp16"`` runs the projection dots in float16 for
     bfloat16 queries too (always so with ``unpack=2``), to test that path in the interpreter.
     """
     bsz, hq, d = queries.shape
@@ -196,7 +226,7 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
         summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
         seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
         GQ=triton.next_power_of_2(g), D=d, S=s, R=r, DOT_DT=dot_dt,
-        PREC="tf32" if half else "ieee", UNPACK=unpack, **launch,
+        PREC="tf32" if half else "ieee", UNPACK=unpack, COEF=coef, **launch,
     )
     _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
     return ws["scores"], ws["lse"], ws["ranking"]
