@@ -159,13 +159,13 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
             p3 = tl.reshape(proj, (BLOCK // 2, 2 * R, GQ))
             # per (pair, head) power-of-two scale into float16's range, undone on the float32 result
             pmax = tl.max(tl.abs(p3), axis=1)  # [BLOCK/2, GQ]
-            e = tl.where(pmax > 0, tl.floor(tl.log2(16384.0 / tl.where(pmax > 0, pmax, 1.0))), 0.0)
-            e = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
-            p3 = p3 * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None, :]
+            pe = tl.where(pmax > 0, tl.floor(tl.log2(16384.0 / tl.where(pmax > 0, pmax, 1.0))), 0.0)
+            pe = tl.minimum(tl.maximum(pe, -126.0), 127.0).to(tl.int32)
+            p3 = p3 * ((pe + 127) << 23).to(tl.float32, bitcast=True)[:, None, :]
             p_hi = p3.to(tl.float16)
             acc = tl.dot(c2, p_hi)
             acc = tl.dot(c2, (p3 - p_hi.to(tl.float32)).to(tl.float16), acc=acc)  # [BLOCK/2, 2S, GQ]
-            acc = acc * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None, :]
+            acc = acc * ((127 - pe) << 23).to(tl.float32, bitcast=True)[:, None, :]
             acc = tl.reshape(acc, (BLOCK, S, GQ))
         cs = tl.load(cscale_ptr + ph[:, None] * S + s_idx[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
         logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
