@@ -148,7 +148,7 @@ def test_packed_score_kernel_scales_large_and_small_queries():
 def test_packed_score_kernel_ptx_unpack_matches_reference():
     from kvlocks.scoring import triton_packed
 
-    for g, d in ((1, 64), (2, 64), (3, 128), (4, 128), (8, 128)):
+    for g, d in ((2, 64), (3, 128), (4, 128), (8, 128)):  # not G = 1: see triton_packed.supports
         q, k, _, table, seq = make_paged(LENS["b"], 2, g, d, BF16)
         store = built_store(k, table, seq, LocksConfig())
         got = triton_packed.score_pages_packed(q, store, table, seq, unpack=2)

@@ -117,7 +117,7 @@ def check() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bad = []
     for d in (64, 128):
-        for g in (1, 2, 3, 4, 8, 16):
+        for g in (2, 3, 4, 8, 16):  # G = 1 is not dispatched to this kernel on CUDA (see supports())
             for dt in (torch.bfloat16, torch.float16, torch.float32):
                 for block in ((8, 16) if device.type == "cuda" else (8,)):
                     gen = torch.Generator(device=device).manual_seed(g * 100 + d)

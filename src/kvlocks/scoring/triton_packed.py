@@ -15,8 +15,8 @@ dispatches here on CUDA for half-precision queries, G <= 8 and rank 8. Per step 
 - the per-page coefficient contraction (K = R = 8, below Triton 3.6's minimum of 16 for a dot)
   takes pages in pairs: block-diagonal ``[2S, 2R]`` coefficients times the pair's stacked
   ``[2R, G]`` projections, two float16 tensor-core dots on an exact hi/lo split (COEF = 3), or
-  float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (COEF = 2: for G = 1, where Triton 3.6
-  miscompiles the pair dot at 16 pages per step; the broadcast spills registers from G = 8).
+  float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (COEF = 2, used for G = 1; it spills registers
+  from G = 8). On CUDA, G = 1 is not dispatched here (see :func:`supports`).
 
 H200, 1M tokens, batch 1: 456 us (llama3-8b shape, G = 4) and 246 us (glm4-9b-1m, G = 8) against
 952 / 498 us for the three-dot kernel (``scripts/device/score_probe.py``; analysis in
@@ -192,8 +192,11 @@ _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R"
 
 def supports(queries: torch.Tensor, group: int, rank: int) -> bool:
     """Whether :func:`score_pages_packed` is the faster kernel here (measured on the H200: G = 4 and
-    G = 8 at rank 8, about 2x the three-dot kernel; G = 16 and other ranks not measured)."""
-    return queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and group <= 8 and rank == 8
+    G = 8 at rank 8, about 2x the three-dot kernel; G = 16 and other ranks not measured). Not G = 1:
+    on the H200 (Triton 3.6) the G = 1 kernel gave wrong scores at 16 pages per step, with either
+    contraction, while the interpreter agrees with the reference (cause not found)."""
+    return (queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and 2 <= group <= 8
+            and rank == 8)
 
 
 def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
@@ -204,8 +207,8 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
 
     ``unpack``: 2 = inline-PTX half2 unpacking (CUDA only, the default there), 1 = portable bit
     tricks (the Triton interpreter). ``coef``: 3 = the coefficient contraction as float16 tensor-core
-    dots on block-diagonal page pairs (default for G >= 2), 2 = float32 FMAs on a broadcast (default
-    for G = 1: Triton 3.6 miscompiles the pair dot with N = 1 at 16 pages per step). ``dot="fp16"`` runs the projection dots in float16 for
+    dots on block-diagonal page pairs (default for G >= 2), 2 = float32 FMAs on a broadcast
+    (default for G = 1). ``dot="fp16"`` runs the projection dots in float16 for
     bfloat16 queries too (always so with ``unpack=2``), to test that path in the interpreter.
     """
     bsz, hq, d = queries.shape
