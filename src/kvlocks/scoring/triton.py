@@ -38,6 +38,19 @@ HEAD_DIMS = (64, 128)
 
 
 @triton.jit
+def store_and_fold(lse2, p, pmask, g, row, G, max_pages, scores_ptr, m_run, l_run):
+    """Store a step's page scores (log2 units in, natural log out) and fold them into each head's
+    running (max, sum of exp2) over the program's pages. Shared by the score kernels."""
+    out_off = (row * G + g)[None, :].to(tl.int64) * max_pages + p[:, None]
+    tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & (g < G)[None, :])
+    lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
+    m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
+    return m_new, l_run
+
+
+@triton.jit
 def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr,
                       censcale_ptr, bt_ptr, stride_bt, seqlen_ptr, scores_ptr, stats_ptr,
                       Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
@@ -103,13 +116,7 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
         logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
         mx = tl.max(logit, axis=1)
         lse2 = mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))  # [BLOCK, GP]
-        out_off = (row * G + g)[None, :].to(tl.int64) * max_pages + p[:, None]
-        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & (g < G)[None, :])
-        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
-        m_run = m_new
+        m_run, l_run = store_and_fold(lse2, p, pmask, g, row, G, max_pages, scores_ptr, m_run, l_run)
     st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GB + g
     tl.store(st, m_run, mask=g < GB)
     tl.store(st + GB, l_run, mask=g < GB)

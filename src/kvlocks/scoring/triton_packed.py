@@ -32,9 +32,8 @@ import triton
 import triton.language as tl
 
 from kvlocks.cache.layout import PagedSummaries, dot_dtype
-from kvlocks.scoring.triton import LOG2E, _combine_launch, score_workspace
+from kvlocks.scoring.triton import LOG2E, _combine_launch, score_workspace, store_and_fold
 
-_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -171,13 +170,7 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
         logit = (acc * cs[:, :, None] + qmu[:, None, :]) * qk_scale  # log2 units
         mx = tl.max(logit, axis=1)
         lse2 = mx + tl.log2(tl.sum(tl.exp2(logit - mx[:, None, :]), axis=1))  # [BLOCK, GQ]
-        out_off = (row * G + g)[None, :].to(tl.int64) * max_pages + p[:, None]
-        tl.store(scores_ptr + out_off, lse2 * _LN2, mask=pmask[:, None] & gm)
-        lse2 = tl.where(pmask[:, None], lse2, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(lse2, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_run = l_run * tl.exp2(m_run - m_safe) + tl.sum(tl.exp2(lse2 - m_safe[None, :]), axis=0)
-        m_run = m_new
+        m_run, l_run = store_and_fold(lse2, p, pmask, g, row, G, max_pages, scores_ptr, m_run, l_run)
     st = stats_ptr + ((row * n_chunks + pid_c) * 2) * GQ + g
     tl.store(st, m_run)
     tl.store(st + GQ, l_run)
