@@ -23,6 +23,9 @@ def test_grid_rows_resume_and_exactness_at_large_budget(model_tok, tmp_path):
     summary = run_eval(cfg, tmp_path, model=model, tok=tok, progress=False)
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and summary["n_rows"] == 3
+    from kvlocks.eval.report import git_commit
+
+    assert {r["commit"] for r in rows} == {git_commit()} and summary["row_commits"] == [git_commit()]
     by = {(r["method"], r["budget"]): r for r in rows}
     full, big, small = by[("full", None)], by[("locks", 512)], by[("locks", 32)]
     assert full["kl"] == 0 and full["exact_agree"] == 1

@@ -1,6 +1,8 @@
 """Aggregate task-suite rows into summary.json, markdown tables and PNG plots.
 
-summary.json: ``config``, ``commit``, ``device``, ``versions``, ``n_rows``;
+summary.json: ``config``, ``commit`` (HEAD when the report was written), ``row_commits`` (the
+commits whose code produced the rows: a resumed run may mix them; "unrecorded" for rows written
+before rows carried it), ``device``, ``versions``, ``n_rows``;
 ``headline`` (per length x method x budget, over the scored tasks); ``cells`` (per scored task x
 length x method x budget: means, n, paired CIs of the score against full and oracle);
 ``perplexity`` (per length x method x budget of ``ppl_continuation``: mean NLL and perplexity,
@@ -24,7 +26,7 @@ from kvlocks.eval.metrics import paired_bootstrap_ci
 MIN_FULL_SCORE = 0.30  # a task counts towards accuracy averages only where full scores this much
 
 
-def _commit() -> str:
+def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
@@ -189,7 +191,9 @@ def write_report(rows: list[dict], out: Path, *, config: dict, device: str) -> d
     cells = summarize(rows)
     head = headline(cells)
     ppl = summarize_ppl(rows)
-    summary = {"config": config, "commit": _commit(), "device": device, "versions": _versions(),
+    row_commits = sorted({r.get("commit", "unrecorded") for r in rows})
+    summary = {"config": config, "commit": git_commit(), "row_commits": row_commits, "device": device,
+               "versions": _versions(),
                "n_rows": len(rows), "headline": head, "cells": cells, "perplexity": ppl}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "results.md").write_text(markdown(head, cells, ppl))

@@ -116,7 +116,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
     import gc
     from kvlocks.eval.continuation import PPL_TASK
     from kvlocks.eval.ppl import run_continuation
-    from kvlocks.eval.report import write_report
+    from kvlocks.eval.report import git_commit, write_report
     from kvlocks.eval.runner import load_done, row_key, run_record
 
     out.mkdir(parents=True, exist_ok=True)
@@ -137,8 +137,10 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
     bar.update(sum(1 for r in done.values() if in_grid(r)))
     base = cfg.locks_config(cfg.budgets[0])
     kw = {"compaction": cfg.compaction_settings(), "cache_dir": out / "compacted"}
+    commit = git_commit()  # the code that produces this session's rows (a resumed run may mix commits)
     with rows_path.open("a") as fh:
         def write(row):
+            row.setdefault("commit", commit)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             done[row_key(row)] = row
