@@ -28,6 +28,24 @@ def test_method_spelling_is_parsed_and_canonical():
     assert cfg.runs_per_record() == 1 + 1 + len(cfg.budgets)
 
 
+def test_compaction_plus_selector_spelling():
+    s = parse_method("fold@0.10+locks")
+    assert (s.name, s.kind, s.base, s.ratio, s.selector, s.budgeted) == (
+        "fold@0.1+locks", "compaction", "fold", 0.1, "locks", True)
+    cfg = EvalConfig(methods=("full", "fold@0.1", "fold@0.1+locks"))
+    assert cfg.runs_per_record() == 1 + 1 + len(cfg.budgets)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("am@0.1+locks", "logit bias"), ("rank1@0.1+locks", "logit bias"), ("fold@0.1+full", "not a selector"),
+    ("fold@0.1+bogus", "not a selector"), ("locks+fold", "not NAME@RATIO"),
+])
+def test_bad_compaction_plus_selector_spellings(text, needle):
+    with pytest.raises(ValueError) as err:
+        parse_method(text)
+    assert needle in str(err.value)
+
+
 @pytest.mark.parametrize("text,needle", [
     ("fold", "fold@0.1"),  # a compaction needs its ratio, and the message shows how
     ("fold@0", "(0, 1]"), ("fold@1.5", "(0, 1]"), ("fold@nan", "(0, 1]"), ("fold@x", "not a number"),
@@ -180,6 +198,30 @@ def test_ratio_one_keeps_everything_and_matches_full(model_tok):
         # every entry is read; am also reads its (zero) bias: one value per key against 2 * 64 for K and V
         assert comp["stats_read_fraction"] == pytest.approx(1.0 + (1 / 128 if method == "am@1" else 0.0), rel=1e-3)
     assert model.config._attn_implementation == "kvlocks"  # the bias-aware attention was switched back
+
+
+@pytest.mark.model
+def test_selector_over_a_compacted_cache_runs_per_budget(model_tok):
+    """fold@1+locks: at a budget covering the whole cache it is exactly full; at a small budget it
+    reads fewer bytes than full, counted against the uncompacted context."""
+    from kvlocks.eval.runner import run_record
+    from kvlocks.eval.tasks import generate
+
+    model, tok = model_tok
+    record = generate("passkey", tok, 256, 1)[0]
+    rows = []
+    eos = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    with torch.inference_mode():
+        run_record(model, tok, record, ("full", "fold@1+locks"), (32, 512), EvalConfig().locks_config(32), eos, {},
+                   rows.append, compaction=SETTINGS)
+    by = {(r["method"], r["budget"]): r for r in rows}
+    assert set(by) == {("full", None), ("fold@1+locks", 32), ("fold@1+locks", 512)}
+    full, big, small = by[("full", None)], by[("fold@1+locks", 512)], by[("fold@1+locks", 32)]
+    assert big["kept"] == big["prefix_tokens"] == len(record.context_ids)
+    assert big["tokens"] == full["tokens"] and big["kl"] < 1e-6 and big["top1"] == 1
+    assert small["stats_read_fraction"] < 0.6 < big["stats_read_fraction"]
+    for r in (small, big):  # full's context: the T uncompacted tokens plus the mean of those decoded so far
+        assert r["stats_context_tokens"] == pytest.approx(r["prefix_tokens"] + (r["stats_decode_steps"] + 1) / 2)
 
 
 @pytest.mark.model

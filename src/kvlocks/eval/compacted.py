@@ -232,3 +232,19 @@ def compaction_stats(cache, prefix, elem_size: int) -> dict:
             "context_tokens": context, "selection_bytes": 0.0, "bias_bytes": bias, "kv_bytes": kv,
             "bytes_read": kv + bias, "full_bytes": full,
             "read_fraction": (kv + bias) / full if steps else None}
+
+
+def compacted_selector_stats(cache, prefix, elem_size: int) -> dict:
+    """Bytes read per decode step and layer by a selector over a compacted cache, against ``full``.
+
+    The cache's own accounting (:class:`~kvlocks.integrations.stats.DecodeStats`) counts what the
+    selector read (its summaries and the selected pages of the t kept entries plus new tokens);
+    ``full`` attends the uncompacted context instead: T + the tokens decoded so far.
+    """
+    s = cache.stats.summary()
+    m = prefix.model
+    steps = s["decode_steps"]
+    mean_new = (steps + 1) / 2 if steps else 0.0
+    full = 2.0 * m.num_kv_heads * m.head_dim * elem_size * (prefix.prefix_len + mean_new)
+    return {**s, "context_tokens": prefix.prefix_len + mean_new, "full_bytes": full,
+            "read_fraction": s["bytes_read"] / full if steps else None}

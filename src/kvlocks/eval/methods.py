@@ -11,6 +11,11 @@ Three kinds of method share one ``--methods`` list:
   kept fraction, ``0 < RATIO <= 1``; ``--budgets`` do not apply. NAME is one of the
   compaction package's methods (``am``, ``fold``, ``drop``, ``rank1``, ``drop_refit``,
   ``merge_fold``).
+- a compaction followed by sparse decode, spelled ``NAME@RATIO+SELECTOR`` (e.g.
+  ``fold@0.1+locks``): the compacted cache is an ordinary cache, so the selector's summaries are
+  built over its t entries and every budget of ``--budgets`` runs, as for a selector. NAME must
+  be a plain-cache compaction (``fold``, ``drop``, ``drop_refit``, ``merge_fold``): ``am`` and
+  ``rank1`` keep a logit bias that sparse decode cannot apply.
 
 Spellings are canonicalised (``fold@0.10`` becomes ``fold@0.1``) so result rows of one run
 always carry the same method string.
@@ -35,6 +40,9 @@ def compaction_names() -> tuple[str, ...]:
     return METHODS
 
 
+PLAIN_CACHE = ("fold", "drop", "drop_refit", "merge_fold")  # compactions that need no logit bias
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One parsed method.
@@ -49,22 +57,26 @@ class MethodSpec:
         Selector or compaction method name without the ratio (``"fold"``).
     ratio : float or None
         Kept fraction of the context for a compaction, else None.
+    selector : str or None
+        For ``NAME@RATIO+SELECTOR``: the selector that decodes over the compacted cache.
     """
 
     name: str
     kind: str
     base: str
     ratio: float | None = None
+    selector: str | None = None
 
     @property
     def budgeted(self) -> bool:
-        """Whether the method runs once per budget (selectors only)."""
-        return self.kind == "selector"
+        """Whether the method runs once per budget (selectors, and compactions with a selector)."""
+        return self.kind == "selector" or self.selector is not None
 
 
 def allowed_text() -> str:
     return (f"{selector_names()} or NAME@RATIO with NAME in {compaction_names()} and "
-            "0 < RATIO <= 1 (e.g. 'fold@0.1')")
+            "0 < RATIO <= 1 (e.g. 'fold@0.1'), or NAME@RATIO+SELECTOR with NAME in "
+            f"{PLAIN_CACHE} (e.g. 'fold@0.1+locks')")
 
 
 def parse_method(text: str) -> MethodSpec:
@@ -72,6 +84,19 @@ def parse_method(text: str) -> MethodSpec:
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"method {text!r}: must be a non-empty string; allowed {allowed_text()}")
     text = text.strip()
+    if "+" in text:
+        comp, _, selector = text.partition("+")
+        spec = parse_method(comp)
+        if spec.kind != "compaction":
+            raise ValueError(f"method {text!r}: {comp!r} is not NAME@RATIO; allowed {allowed_text()}")
+        if spec.base not in PLAIN_CACHE:
+            raise ValueError(f"method {text!r}: {spec.base!r} keeps a logit bias that sparse decode cannot "
+                             f"apply; combine a selector with one of {PLAIN_CACHE}")
+        if selector not in selector_names() or selector == "full":
+            raise ValueError(f"method {text!r}: {selector!r} is not a selector; allowed "
+                             f"{tuple(n for n in selector_names() if n != 'full')}")
+        return MethodSpec(name=f"{spec.name}+{selector}", kind="compaction", base=spec.base, ratio=spec.ratio,
+                          selector=selector)
     if "@" not in text:
         if text in selector_names():
             return MethodSpec(name=text, kind="full" if text == "full" else "selector", base=text)

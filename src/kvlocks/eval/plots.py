@@ -24,7 +24,7 @@ def _panel(ax, cells, length, field, log):
         budgets = sorted({c["budget"] for c in here if c["method"] == m})
         ys = [_avg([c[field] for c in here if c["method"] == m and c["budget"] == b]) for b in budgets]
         ax.plot(budgets, [max(y, 1e-6) for y in ys] if log else ys, marker="o", label=m)
-    for m in sorted({c["method"] for c in here if c.get("kept") is not None}):
+    for m in sorted({c["method"] for c in here if c.get("kept") is not None and c["budget"] is None}):
         cs = [c for c in here if c["method"] == m]
         y = _avg([c[field] for c in cs])
         ax.plot([_avg([c["kept"] for c in cs])], [max(y, 1e-6) if log else y], marker="s", ls="none", label=m)
@@ -62,7 +62,7 @@ def _depth_heatmap(rows, cells, out: Path) -> None:
     budgets = sorted({c["budget"] for c in cells if c["budget"] is not None})
     b0 = 256 if 256 in budgets else (budgets[len(budgets) // 2] if budgets else None)
     selectors = sorted({c["method"] for c in cells if c["budget"] is not None})
-    compactions = sorted({c["method"] for c in cells if c.get("kept") is not None})
+    compactions = sorted({c["method"] for c in cells if c.get("kept") is not None and c["budget"] is None})
     panels = [("full", None)] + [(m, b0) for m in selectors] + [(m, None) for m in compactions]
     bins = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0001]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), squeeze=False)

@@ -148,7 +148,8 @@ def _f(x, pct=False):
 
 def _budget(c) -> str:
     if c.get("kept") is not None:
-        return f"kept {c['kept']:.0f}"
+        kept = f"kept {c['kept']:.0f}"
+        return kept if c["budget"] is None else f"{c['budget']} of {kept}"
     return str(c["budget"]) if c["budget"] is not None else "—"
 
 

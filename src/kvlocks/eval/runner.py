@@ -80,7 +80,8 @@ def _answer(model, cache, logits, max_new: int, eos: set[int], ref_tokens: list[
 def todo_of(record, methods, budgets, done: dict) -> list:
     """``(MethodSpec, budget)`` pairs of ``record`` not yet in ``done``, ``full`` first."""
     specs = parse_methods(methods)
-    pairs = [(s, None) for s in specs if s.kind == "full"] + [(s, None) for s in specs if s.kind == "compaction"]
+    pairs = [(s, None) for s in specs if s.kind == "full"]
+    pairs += [(s, None) for s in specs if s.kind == "compaction" and not s.budgeted]
     pairs += [(s, b) for s in specs if s.budgeted for b in budgets]
     return [(s, b) for s, b in pairs if (record.task, record.length, record.index, s.name, b) not in done]
 

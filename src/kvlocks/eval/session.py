@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.eval.compacted import RecordCompactions, compaction_stats
+from kvlocks.eval.compacted import RecordCompactions, compacted_selector_stats, compaction_stats
 from kvlocks.eval.decode import prefill
 from kvlocks.eval.methods import MethodSpec
 from kvlocks.integrations.hf import LocksCache
@@ -78,10 +78,14 @@ class SharedPrefill:
 
         prefix = self.compactions.get(spec.base, spec.ratio)
         model = self.model
-        with attention.using(model):  # to_cache switches biased prefixes' attention: undo it after
-            cache = serve.to_cache(model, prefix)
         elem = torch.finfo(model.dtype).bits // 8
         fields = {"ratio": spec.ratio, "compaction": spec.base, "kept": prefix.kept,
                   "prefix_tokens": prefix.prefix_len, "compact_s": prefix.compact_seconds}
+        if spec.selector is not None:  # sparse decode over the compacted (plain) cache
+            cache = serve.to_locks_cache(model, prefix, method=spec.selector,
+                                         config=self.base.replace(budget=budget or max(self.budgets)))
+            return Opened(cache=cache, stats=lambda: compacted_selector_stats(cache, prefix, elem), fields=fields)
+        with attention.using(model):  # to_cache switches biased prefixes' attention: undo it after
+            cache = serve.to_cache(model, prefix)
         ctx = (lambda: attention.using(model)) if prefix.has_bias else contextlib.nullcontext
         return Opened(cache=cache, stats=lambda: compaction_stats(cache, prefix, elem), fields=fields, context=ctx)
