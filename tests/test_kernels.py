@@ -115,7 +115,8 @@ def test_score_kernel_step_sizes_agree(launch):
 @pytest.mark.parametrize("lens,g,d,dtype,dot,coef,block", [
     ("a", 1, 64, F32, "auto", 2, 8), ("b", 3, 128, BF16, "auto", 3, 8), ("c", 4, 64, F16, "auto", 2, 8),
     ("b", 4, 128, BF16, "fp16", 3, 16), ("c", 2, 128, F16, "fp16", 3, 8), ("b", 8, 128, BF16, "fp16", 3, 16),
-    ("a", 6, 64, F32, "auto", 3, 8), ("c", 8, 64, F16, "auto", 2, 8),
+    ("a", 6, 64, F32, "auto", 3, 8), ("c", 8, 64, F16, "auto", 2, 8), ("c", 1, 128, BF16, "fp16", None, 16),
+    ("c", 4, 64, BF16, "auto", None, 16),
 ])
 def test_packed_score_kernel_matches_reference(lens, g, d, dtype, dot, coef, block):
     """The packed kernel (portable unpacking; float16 dots with q scaled into range for dot="fp16"),
@@ -128,6 +129,16 @@ def test_packed_score_kernel_matches_reference(lens, g, d, dtype, dot, coef, blo
                                            coef=coef)
     exp = score_pages(q, store, table, seq, backend="torch")
     _assert_scores_match(got, exp, seq)
+
+
+@pytest.mark.parametrize("kw,needle", [({"coef": 4}, "coef=4"), ({"unpack": 3}, "unpack=3"), ({"dot": "bf16"}, "dot=")])
+def test_packed_score_kernel_rejects_bad_options(kw, needle):
+    from kvlocks.scoring import triton_packed
+
+    q, k, _, table, seq = make_paged(LENS["a"], 2, 4, 64, F32)
+    store = built_store(k, table, seq, LocksConfig())
+    with pytest.raises(ValueError, match=needle):
+        triton_packed.score_pages_packed(q, store, table, seq, **kw)
 
 
 def test_packed_score_kernel_scales_large_and_small_queries():

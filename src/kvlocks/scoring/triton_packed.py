@@ -15,8 +15,8 @@ dispatches here on CUDA for half-precision queries, G <= 8 and rank 8. Per step 
 - the per-page coefficient contraction (K = R = 8, below Triton 3.6's minimum of 16 for a dot)
   takes pages in pairs: block-diagonal ``[2S, 2R]`` coefficients times the pair's stacked
   ``[2R, G]`` projections, two float16 tensor-core dots on an exact hi/lo split (COEF = 3), or
-  float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (COEF = 2, used for G = 1; it spills registers
-  from G = 8). On CUDA, G = 1 is not dispatched here (see :func:`supports`).
+  float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (COEF = 2, the default for G = 1; it spills
+  registers from G = 8). On CUDA, G = 1 is not dispatched here (see :func:`supports`).
 
 H200, 1M tokens, batch 1: 456 us (llama3-8b shape, G = 4) and 246 us (glm4-9b-1m, G = 8) against
 952 / 498 us for the three-dot kernel (``scripts/device/score_probe.py``; analysis in
@@ -32,17 +32,14 @@ import triton
 import triton.language as tl
 
 from kvlocks.cache.layout import PagedSummaries, dot_dtype
-from kvlocks.scoring.triton import LOG2E, _combine_launch, score_workspace, store_and_fold
-
+from kvlocks.scoring.triton import HEAD_DIMS, LOG2E, _combine_launch, score_workspace, store_and_fold
 
 
 @triton.jit
-def _small_int_to_f32(x, bias: tl.constexpr, UNPACK: tl.constexpr):
-    """int32 ``x`` in [0, 2**23) to float32 ``x - bias``, exactly."""
-    if UNPACK >= 1:
-        return (x | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
-    else:
-        return x.to(tl.float32) - bias
+def _small_int_to_f32(x, bias: tl.constexpr):
+    """int32 ``x`` in [0, 2**23) to float32 ``x - bias``, exactly, without an int-to-float
+    conversion: OR-ed into the mantissa of 2**23 it reads as 2**23 + x."""
+    return (x | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
 
 
 @triton.jit
@@ -53,7 +50,7 @@ def _int4_pairs_to_f16(by):
     Exact. CUDA only (inline PTX)."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 t0, t1, k0, k1, k2, k3;
+        .reg .b32 t0, t1, k0, k1, k2;
         mov.b32 k0, 0x64086408;
         mov.b32 k1, 0x2C002C00;
         mov.b32 k2, 0xD480D480;
@@ -130,18 +127,18 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
             lo, hi = _int4_pairs_to_f16(by)
         else:
             by = by.to(tl.int32) ^ 0x88  # nibbles offset-binary: n + 8
-            lo = _small_int_to_f32(by & 15, 8.0, UNPACK).to(DOT_DT)
-            hi = _small_int_to_f32(by >> 4, 8.0, UNPACK).to(DOT_DT)
+            lo = _small_int_to_f32(by & 15, 8.0).to(DOT_DT)
+            hi = _small_int_to_f32(by >> 4, 8.0).to(DOT_DT)
         proj = tl.dot(lo, q_even, input_precision=PREC)
         proj = tl.dot(hi, q_odd, acc=proj, input_precision=PREC)  # [BLOCK * R, GQ]
         proj = proj * (tl.load(bscale_ptr + ph_m * R + mr, mask=mmask, other=0.0).to(tl.float32) * q_unscale)[:, None]
         cb = tl.load(cen_u8 + ph[:, None] * D + dd[None, :], mask=pmask[:, None], other=0x80).to(tl.int32) ^ 0x80
-        qmu = tl.dot(_small_int_to_f32(cb, 128.0, UNPACK).to(DOT_DT), q_all, input_precision=PREC)  # [BLOCK, GQ]
+        qmu = tl.dot(_small_int_to_f32(cb, 128.0).to(DOT_DT), q_all, input_precision=PREC)  # [BLOCK, GQ]
         qmu = qmu * (tl.load(censcale_ptr + ph, mask=pmask, other=0.0).to(tl.float32) * q_unscale)[:, None]
         if COEF == 2:
             ccb = tl.load(coef_u8 + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + r_idx[None, None, :],
                           mask=pmask[:, None, None], other=0x80).to(tl.int32) ^ 0x80
-            c = _small_int_to_f32(ccb, 128.0, UNPACK)  # [BLOCK, S, R] float32, exact
+            c = _small_int_to_f32(ccb, 128.0)  # [BLOCK, S, R] float32, exact
             p3 = tl.reshape(proj, (BLOCK, R, GQ))
             acc = tl.sum(c[:, :, :, None] * p3[:, None, :, :], axis=2)  # [BLOCK, S, GQ], float32 FMAs
         else:  # pages in pairs: block-diagonal coefficients [2S, 2R] x projections [2R, GQ], K = 2R = 16
@@ -154,7 +151,7 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
             php = tl.load(btr + p0 + pg, mask=diag, other=0).to(tl.int64) * Hkv + h
             ccb = tl.load(coef_u8 + php * (S * R) + ((ii % S) * R)[None, :, None] + (kk % R)[None, None, :],
                           mask=diag, other=0).to(tl.int32) ^ 0x80  # off the diagonal: raw 0 = value 0
-            c2 = _small_int_to_f32(ccb, 128.0, UNPACK).to(tl.float16)  # [BLOCK/2, 2S, 2R], exact
+            c2 = _small_int_to_f32(ccb, 128.0).to(tl.float16)  # [BLOCK/2, 2S, 2R], exact
             p3 = tl.reshape(proj, (BLOCK // 2, 2 * R, GQ))
             # per (pair, head) power-of-two scale into float16's range, undone on the float32 result
             pmax = tl.max(tl.abs(p3), axis=1)  # [BLOCK/2, GQ]
@@ -186,8 +183,10 @@ _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R"
 def supports(queries: torch.Tensor, group: int, rank: int) -> bool:
     """Whether :func:`score_pages_packed` is the faster kernel here (measured on the H200: G = 4 and
     G = 8 at rank 8, about 2x the three-dot kernel; G = 16 and other ranks not measured). Not G = 1:
-    on the H200 (Triton 3.6) the G = 1 kernel gave wrong scores at 16 pages per step, with either
-    contraction, while the interpreter agrees with the reference (cause not found)."""
+    on the H200 (Triton 3.6) the page-pair contraction with a single head (N = 1) gave wrong scores
+    at 16 pages per step while the interpreter agrees with the reference (cause not found); the
+    FMA contraction that G = 1 now uses passed the GPU check in an earlier version of this kernel
+    but the current code has not been rerun there."""
     return (queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and 2 <= group <= 8
             and rank == 8)
 
@@ -207,6 +206,14 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
     bsz, hq, d = queries.shape
     hkv, s, r = summaries.num_kv_heads, summaries.page_size, summaries.rank
     g = hq // hkv
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim={d}: the packed score kernel supports {HEAD_DIMS}")
+    if r not in (8, 16):
+        raise ValueError(f"rank={r}: the packed score kernel supports ranks 8 and 16")
+    if unpack not in (None, 1, 2) or (unpack == 2 and not queries.is_cuda):
+        raise ValueError(f"unpack={unpack!r}: allowed 1 (portable) or 2 (inline PTX, CUDA tensors only)")
+    if dot not in ("auto", "fp16"):
+        raise ValueError(f"dot={dot!r}: allowed 'auto' or 'fp16'")
     max_pages = block_table.shape[1]
     ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -216,12 +223,17 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
     half = queries.dtype != torch.float32
     if unpack is None:
         unpack = 2 if half and queries.is_cuda else 1
+    gq = triton.next_power_of_2(g)
+    if coef is None:
+        coef = 3 if gq >= 2 else 2
+    if coef not in (2, 3):
+        raise ValueError(f"coef={coef!r}: allowed 2 (FMA broadcast) or 3 (block-diagonal page-pair dots)")
     dot_dt = tl.float16 if half and (unpack == 2 or dot == "fp16") else dot_dtype(queries.dtype)
     kernel[(ws["n_chunks"], bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
         summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
         seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
-        GQ=triton.next_power_of_2(g), D=d, S=s, R=r, DOT_DT=dot_dt,
+        GQ=gq, D=d, S=s, R=r, DOT_DT=dot_dt,
         PREC="tf32" if half else "ieee", UNPACK=unpack, COEF=coef, **launch,
     )
     _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
