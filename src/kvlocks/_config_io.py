@@ -30,7 +30,12 @@ class ConfigIO:
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ValueError(f"{name} JSON has unknown fields {unknown}; allowed {sorted(allowed)}")
-        return cls(**data)
+        return cls(**cls._from_json_values(data))
+
+    @classmethod
+    def _from_json_values(cls, data: dict) -> dict:
+        """Field values as parsed from JSON, before construction (a subclass may convert them)."""
+        return data
 
 
 def check_int(owner: str, name: str, value, low: int, high: int | None = None) -> None:
