@@ -16,6 +16,8 @@ from kvlocks.dispatch import build_pages  # noqa: E402
 from kvlocks.cache.layout import PagedSummaries  # noqa: E402
 from kvlocks.engine import DecodeEngine, EngineConfig, StaticPagedCache, model_parts  # noqa: E402
 from kvlocks.engine.models import model_config, random_model  # noqa: E402
+from kvlocks.engine.overlap import PrefillBuild  # noqa: E402
+from kvlocks.engine.prefill import prefill  # noqa: E402
 
 PROMPT = (
     "Alice keeps her bicycle in the red shed behind the library. Bob keeps his canoe in the "
@@ -204,10 +206,62 @@ def test_bench_e2e_rows_on_cpu(tmp_path):
         assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_bytes"] + r["summary_bytes"]
         assert (r["ttft_ms"] is not None) == (r["fill"] == "prefill") == (r["context"] * r["batch"] <= 100)
         assert (r["build_ms"] is not None) == (r["method"] == "locks")
+        overlapped = r["method"] == "locks" and r["fill"] == "prefill"
+        assert (r["ready_ms"] is not None) == (r["build_exposed_ms"] is not None) == overlapped
+        if overlapped:
+            assert r["ready_ms"] >= r["ttft_ms"] > 0 and "built during it" in r["ttft_note"]
     dense, locks = rows[2], rows[3]
     assert locks["kv_bytes"] == dense["kv_bytes"] // 4  # 2 of 8 pages of K/V
     assert locks["summary_bytes"] == 2 * 2 * 8 * 498  # layers x KV heads x pages x bytes per (page, head) at D = 64
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == len(rows)
+
+
+def _prefilled(model, ids, build=None):
+    parts = model_parts(model)
+    cache = StaticPagedCache(layers=parts.num_layers, batch=ids.shape[0], num_kv_heads=parts.num_kv_heads,
+                             head_dim=parts.head_dim, max_context=ids.shape[1] + 16, config=LocksConfig(budget=32),
+                             dtype=parts.dtype, device=parts.device)
+    if build is None:
+        prefill(parts, cache, ids, chunk=40)
+        return cache
+    hook = build(cache)
+    with hook.prefill_stream():
+        prefill(parts, cache, ids, chunk=40, after_layer=hook)
+    hook.finish()
+    return cache
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_build_during_prefill_equals_build_after_it(backend):
+    """The prefill hook (overlapped on a side stream on CUDA, inline on the CPU) builds exactly the
+    summaries that a build after the prefill does, for every layer."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dev = "cuda" if CUDA else "cpu"
+    model = _tiny("glm4-9b-1m", seed=2, num_hidden_layers=3).to(dev)
+    ids = torch.randint(0, 512, (2, 75), generator=torch.Generator().manual_seed(1)).to(dev)
+    after = _prefilled(model, ids)
+    after.build(backend=backend)
+    during = _prefilled(model, ids, lambda c: PrefillBuild(c, ids.shape[1], backend=backend))
+    full = after.full_page_ids().long()
+    assert full.numel() == 2 * 4
+    assert torch.equal(after.k, during.k)
+    for a, b in zip(after.summaries, during.summaries):
+        for x, y in zip(a._fields(), b._fields()):
+            assert torch.equal(x[full], y[full])
+
+
+def test_prefill_build_rejects_missing_layers_and_bad_lengths():
+    model = _tiny("llama3.1-8b", num_hidden_layers=2)
+    cache = _prefilled(model, torch.zeros(1, 40, dtype=torch.long))
+    hook = PrefillBuild(cache, 40, backend="torch")
+    hook(0)
+    with pytest.raises(RuntimeError, match=r"layers \[1\] were never built"):
+        hook.finish()
+    with pytest.raises(ValueError, match="n_tokens=999"):
+        PrefillBuild(cache, 999)
+    with pytest.raises(ValueError, match="layer 5"):
+        hook(5)
 
 
 # ---- bad input ----

@@ -25,6 +25,8 @@ class EngineConfig(ConfigIO):
     prefill_chunk : tokens per chunk of the prefill's projections and MLP (memory, not numerics)
     backend : ``"triton"``, ``"torch"`` or None (Triton on CUDA, the PyTorch references otherwise)
     cuda_graph : capture the decode step in one CUDA graph; None = whenever the backend is Triton
+    overlap_build : (locks) build each layer's summaries on a side CUDA stream while the prefill
+        runs the next layers (:mod:`kvlocks.engine.overlap`); False builds them after the prefill
     """
 
     method: str = "locks"
@@ -34,6 +36,7 @@ class EngineConfig(ConfigIO):
     prefill_chunk: int = 4096
     backend: str | None = None
     cuda_graph: bool | None = None
+    overlap_build: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -54,3 +57,5 @@ class EngineConfig(ConfigIO):
             raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"EngineConfig.cuda_graph={self.cuda_graph!r}: allowed True, False or None")
+        if self.overlap_build not in (True, False):
+            raise ValueError(f"EngineConfig.overlap_build={self.overlap_build!r}: allowed True or False")

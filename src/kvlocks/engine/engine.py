@@ -13,12 +13,15 @@ The pieces are separate so benchmarks can time them: :func:`prefill` (or
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvlocks.dispatch import resolve_backend
 from kvlocks.engine.cache import StaticPagedCache
 from kvlocks.engine.config import EngineConfig
 from kvlocks.engine.graph import StepRunner
+from kvlocks.engine.overlap import PrefillBuild
 from kvlocks.engine.parts import model_parts
 from kvlocks.engine.prefill import prefill
 from kvlocks.engine.step import DecodeStep
@@ -47,14 +50,21 @@ class DecodeEngine:
         )
         self.step = DecodeStep(p, self.cache, method=config.method, backend=self.backend)
         self.runner: StepRunner | None = None
+        self.pending_build: PrefillBuild | None = None
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Dense prefill of ``input_ids [B, T]``, then (locks) the summaries of every full page.
-        Sets the first token to feed to the prefill's greedy token; returns logits ``[B, V]``."""
-        logits = prefill(self.parts, self.cache, input_ids, chunk=self.config.prefill_chunk)
+        """Dense prefill of ``input_ids [B, T]`` and (locks) the summaries of every full page, built
+        layer by layer during the prefill (overlapped on CUDA; :mod:`kvlocks.engine.overlap`). Sets
+        the first token to feed to the prefill's greedy token; returns logits ``[B, V]``. The first
+        :meth:`decode` step waits for the builds on the device, not the host."""
+        build = None
         if self.config.method == "locks":
-            self.cache.build(backend=self.backend)
+            build = PrefillBuild(self.cache, input_ids.shape[1], backend=self.backend,
+                                 overlap=self.config.overlap_build)
+        with build.prefill_stream() if build is not None else contextlib.nullcontext():
+            logits = prefill(self.parts, self.cache, input_ids, chunk=self.config.prefill_chunk, after_layer=build)
         self.step.tokens.copy_(logits.argmax(dim=-1))
+        self.pending_build = build
         return logits
 
     def decode(self, steps: int) -> torch.Tensor:
@@ -62,6 +72,9 @@ class DecodeEngine:
         room = self.cache.capacity - self.cache.length
         if steps > room:
             raise ValueError(f"{steps} decode steps do not fit: the cache has room for {room} more tokens")
+        if self.pending_build is not None:
+            self.pending_build.finish()
+            self.pending_build = None
         if self.runner is None:
             self.runner = StepRunner(self.step, use_graph=self.use_graph)
         out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.parts.device)

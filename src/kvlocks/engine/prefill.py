@@ -11,6 +11,8 @@ of a dense prefill. Only the last position's logits are computed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -28,11 +30,13 @@ def prefill_bytes(parts: ModelParts, batch: int, tokens: int, chunk: int, interm
 
 
 @torch.no_grad()
-def prefill(parts: ModelParts, cache: StaticPagedCache, input_ids: torch.Tensor, *, chunk: int = 4096) -> torch.Tensor:
+def prefill(parts: ModelParts, cache: StaticPagedCache, input_ids: torch.Tensor, *, chunk: int = 4096,
+            after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
     """Run the prompt ``input_ids [B, T]`` (int64, no padding) and fill the cache's first T tokens.
 
     Returns the logits of the last position, ``[B, V]`` in the model's dtype. Sets the cache
-    length to T. Summaries are not built here (the engine builds them right after).
+    length to T. ``after_layer(l)`` is called as soon as layer ``l``'s K/V are written, before its
+    attention (the engine queues that layer's summary build there: :mod:`kvlocks.engine.overlap`).
     """
     bsz, t = input_ids.shape
     if bsz != cache.batch:
@@ -52,6 +56,8 @@ def prefill(parts: ModelParts, cache: StaticPagedCache, input_ids: torch.Tensor,
             q_buf[:, c] = q.transpose(1, 2)
             kv_k[:, c] = k.transpose(1, 2)
             kv_v[:, c] = v.transpose(1, 2)
+        if after_layer is not None:
+            after_layer(li)
         out = F.scaled_dot_product_attention(
             q_buf.transpose(1, 2), kv_k[:, :t].transpose(1, 2), kv_v[:, :t].transpose(1, 2),
             is_causal=True, scale=parts.scale, enable_gqa=parts.group > 1,
