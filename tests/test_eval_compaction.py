@@ -225,6 +225,63 @@ def test_selector_over_a_compacted_cache_runs_per_budget(model_tok):
 
 
 @pytest.mark.model
+def test_fork_of_a_locks_cache_over_a_compacted_prefix_continues_at_position_T(model_tok, prefix_ids, rc):
+    """``kvlocks eval`` forks a method's cache at its first divergence from full's answer and
+    teacher-forces the fork. A fork of a LOCKS cache over a folded prefix must keep positions
+    at T + n (not the physical t + n): at a budget covering every page, the fork's logits equal
+    stock SDPA over the plain compacted cache (an independent path: DynamicCache, deep copy)."""
+    import copy
+
+    from kvlocks.compaction import serve
+    from kvlocks.config import LocksConfig
+    from kvlocks.eval.decode import step
+    from kvlocks.eval.session import fork_cache
+
+    model, tok = model_tok
+    prefix = rc.get("fold", 0.5)
+    assert prefix.kept < prefix.prefix_len == len(prefix_ids)
+    first = tok(" The text above", add_special_tokens=False).input_ids
+    then = tok(" is about a town and its river.", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        dense = serve.to_cache(model, prefix)
+        sparse = serve.to_locks_cache(model, prefix, method="locks", config=LocksConfig(budget=256))
+        assert prefix.kept + len(first) + len(then) <= 256  # every page attended: exact
+        for t in first:
+            step(model, dense, t), step(model, sparse, t)
+        fork, ref = fork_cache(sparse), copy.deepcopy(dense)
+        assert fork.get_seq_length() == len(prefix_ids) + len(first)
+        assert fork.physical_length() == prefix.kept + len(first)
+        for t in then:
+            got, want = step(model, fork, t), step(model, ref, t)
+            assert torch.allclose(got, want, atol=1e-3, rtol=0), float((got - want).abs().max())
+        # the fork is independent of the cache it came from
+        assert sparse.get_seq_length() == len(prefix_ids) + len(first)
+        small = sparse.fork(method="oracle", config=LocksConfig(budget=32))
+        assert small.get_seq_length() == len(prefix_ids) + len(first) and small.method == "oracle"
+
+
+@pytest.mark.model
+def test_selector_over_a_compacted_cache_at_a_covering_budget_equals_the_compacted_cache(model_tok):
+    """fold@0.5+locks at a budget above every page gives fold@0.5's tokens and KL to full, also
+    after the answer left full's (the runner then teacher-forces a fork of each cache)."""
+    from kvlocks.eval.runner import run_record
+    from kvlocks.eval.tasks import generate
+
+    model, tok = model_tok
+    record = generate("niah_single_noise", tok, 256, 1)[0]
+    rows = []
+    eos = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    with torch.inference_mode():
+        run_record(model, tok, record, ("full", "fold@0.5", "fold@0.5+locks"), (512,),
+                   EvalConfig().locks_config(512), eos, {}, rows.append, compaction=SETTINGS)
+    by = {r["method"]: r for r in rows}
+    fold, both = by["fold@0.5"], by["fold@0.5+locks"]
+    assert fold["exact_agree"] < 1  # left full's answer: the forked, teacher-forced path is exercised
+    assert both["tokens"] == fold["tokens"] and both["top1"] == fold["top1"]
+    assert both["kl"] == pytest.approx(fold["kl"], rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.model
 def test_cli_end_to_end_with_compaction_and_ppl(model_tok, tmp_path):
     from kvlocks.cli import main
 

@@ -116,7 +116,7 @@ def test_score_kernel_step_sizes_agree(launch):
     ("a", 1, 64, F32, "auto", 2, 8), ("b", 3, 128, BF16, "auto", 3, 8), ("c", 4, 64, F16, "auto", 2, 8),
     ("b", 4, 128, BF16, "fp16", 3, 16), ("c", 2, 128, F16, "fp16", 3, 8), ("b", 8, 128, BF16, "fp16", 3, 16),
     ("a", 6, 64, F32, "auto", 3, 8), ("c", 8, 64, F16, "auto", 2, 8), ("c", 1, 128, BF16, "fp16", None, 16),
-    ("c", 4, 64, BF16, "auto", None, 16),
+    ("c", 4, 64, BF16, "auto", None, 16), ("b", 16, 64, BF16, "fp16", None, 8),
 ])
 def test_packed_score_kernel_matches_reference(lens, g, d, dtype, dot, coef, block):
     """The packed kernel (portable unpacking; float16 dots with q scaled into range for dot="fp16"),
@@ -159,9 +159,10 @@ def test_packed_score_kernel_scales_large_and_small_queries():
 def test_packed_score_kernel_ptx_unpack_matches_reference():
     from kvlocks.scoring import triton_packed
 
-    for g, d in ((2, 64), (3, 128), (4, 128), (8, 128)):  # not G = 1: see triton_packed.supports
+    for g, d in ((1, 128), (2, 64), (3, 128), (4, 128), (8, 128), (16, 64)):
         q, k, _, table, seq = make_paged(LENS["b"], 2, g, d, BF16)
         store = built_store(k, table, seq, LocksConfig())
+        assert triton_packed.supports(q, g, 8)  # what score_pages dispatches to on CUDA
         got = triton_packed.score_pages_packed(q, store, table, seq, unpack=2)
         exp = score_pages(q, store, table, seq, backend="torch")
         _assert_scores_match(got, exp, seq)

@@ -91,8 +91,19 @@ def _time(fn, n_graph=20, replays=7):
     return statistics.median(ts)
 
 
+def _shape(name):
+    """A kernel-benchmark shape name, or ``HKV:G:D`` (e.g. ``32:1:128`` for multi-head attention)."""
+    if name in SHAPES:
+        return SHAPES[name][:3]
+    try:
+        hkv, g, d = (int(x) for x in name.split(":"))
+    except ValueError:
+        raise SystemExit(f"--shape {name!r}: allowed {sorted(SHAPES)} or HKV:G:D") from None
+    return hkv, g, d
+
+
 def _case(shape, n_tokens, device, seed=0):
-    hkv, g, d, _ = SHAPES[shape]
+    hkv, g, d = _shape(shape)
     lcfg = LocksConfig(page_size=16, budget=2048)
     pc = n_tokens // 16
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -117,9 +128,10 @@ def check() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bad = []
     for d in (64, 128):
-        for g in (2, 3, 4, 8, 16):  # G = 1 is not dispatched to this kernel on CUDA (see supports())
-            for dt in (torch.bfloat16, torch.float16, torch.float32):
-                for block in ((8, 16) if device.type == "cuda" else (8,)):
+        for g in (1, 2, 3, 4, 8, 16):
+            for dt in (torch.bfloat16, torch.float32) + ((torch.float16,) if d == 128 else ()):
+                for block, coef in [(b, c) for b in ((16, 32) if device.type == "cuda" else (8,))
+                                    for c in ((2,) if g == 1 else (None,))]:
                     gen = torch.Generator(device=device).manual_seed(g * 100 + d)
                     hkv, pc = 2, 40
                     store = _random_store(pc * 2, hkv, d, LocksConfig(page_size=16, budget=256), device, gen)
@@ -127,7 +139,8 @@ def check() -> None:
                     seq = torch.tensor([pc * 16, 16 * 23 + 5], dtype=torch.int32, device=device)
                     q = torch.empty(2, hkv * g, d, device=device).normal_(generator=gen).to(dt)
                     exp = score_pages(q, store, table, seq, backend="torch")
-                    got = triton_packed.score_pages_packed(q, store, table, seq, launch={"BLOCK": block, "num_warps": 4})
+                    got = triton_packed.score_pages_packed(q, store, table, seq, launch={"BLOCK": block, "num_warps": 4},
+                                                           coef=coef)
                     for b in range(2):
                         np_ = int(seq[b]) // 16
                         for name, x, y in zip(("scores", "lse", "ranking"), got, exp):
@@ -135,8 +148,9 @@ def check() -> None:
                             err = (x - y).abs().max().item()
                             tol = 2e-3 if name != "ranking" else 2e-5
                             if not err <= tol:
-                                bad.append((d, g, str(dt), block, name, err))
-                    print(f"done d={d} g={g} {dt} block={block}", flush=True)
+                                bad.append((d, g, str(dt), block, coef, name, err))
+                                print("FAIL", bad[-1], flush=True)
+                    print(f"done d={d} g={g} {dt} block={block} coef={coef}", flush=True)
     print("FAILURES:", bad if bad else "none")
     assert not bad
 
@@ -157,7 +171,7 @@ def main() -> None:
 
     device = torch.device("cuda")
     store, table, q, seq = _case(args.shape, args.tokens, device)
-    hkv, g, d, _ = SHAPES[args.shape]
+    hkv, g, d = _shape(args.shape)
     pc = args.tokens // 16
     nbytes = store_bytes(store)
     ws = st.score_workspace(1, hkv, g, pc, device)
@@ -213,7 +227,7 @@ def main() -> None:
     configs = [dict(coef=3, block=b, warps=w, stages=st) for b, w, st in
                ((16, 4, 1), (32, 4, 2), (16, 2, 2), (32, 4, 1), (16, 4, 2), (32, 8, 2), (8, 4, 1))]
     if g <= 4:
-        configs.append(dict(coef=2, block=32, warps=4, stages=2))
+        configs += [dict(coef=2, block=b, warps=w, stages=2) for b, w in ((32, 4), (16, 4), (16, 2))]
     for c in configs:
         try:
             fn = packed_fn(**c)

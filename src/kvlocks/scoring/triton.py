@@ -214,7 +214,7 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     block_table : int32 ``[B, max_pages]``; seq_lens : int32 ``[B]`` (tokens per sequence)
     workspace : from :func:`score_workspace` (allocated here when omitted); ``workspace["kernel"]``
         may pin ``"mma"`` (three-dot kernel) or ``"packed"`` (:mod:`kvlocks.scoring.triton_packed`);
-        by default the packed kernel runs where it measured faster (CUDA, G <= 4, rank 8)
+        by default the packed kernel runs where it measured faster (CUDA, half-precision queries, G <= 16, rank 8)
 
     Returns
     -------

@@ -16,10 +16,10 @@ dispatches here on CUDA for half-precision queries, G <= 8 and rank 8. Per step 
   takes pages in pairs: block-diagonal ``[2S, 2R]`` coefficients times the pair's stacked
   ``[2R, G]`` projections, two float16 tensor-core dots on an exact hi/lo split (COEF = 3), or
   float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (COEF = 2, the default for G = 1; it spills
-  registers from G = 8). On CUDA, G = 1 is not dispatched here (see :func:`supports`).
+  registers from G = 8).
 
 H200, 1M tokens, batch 1: 456 us (llama3-8b shape, G = 4) and 246 us (glm4-9b-1m, G = 8) against
-952 / 498 us for the three-dot kernel (``scripts/device/score_probe.py``; analysis in
+952 / 498 us for the three-dot kernel; G = 1 (32 KV heads) 1255 vs 3836 us; G = 16 236 vs 275 us (``scripts/device/score_probe.py``; analysis in
 ``docs/benchmarks.md``).
 """
 
@@ -181,13 +181,14 @@ _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R"
 
 
 def supports(queries: torch.Tensor, group: int, rank: int) -> bool:
-    """Whether :func:`score_pages_packed` is the faster kernel here (measured on the H200: G = 4 and
-    G = 8 at rank 8, about 2x the three-dot kernel; G = 16 and other ranks not measured). Not G = 1:
-    on the H200 (Triton 3.6) the page-pair contraction with a single head (N = 1) gave wrong scores
-    at 16 pages per step while the interpreter agrees with the reference (cause not found); the
-    FMA contraction that G = 1 now uses passed the GPU check in an earlier version of this kernel
-    but the current code has not been rerun there."""
-    return (queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and 2 <= group <= 8
+    """Whether :func:`score_pages_packed` is the faster kernel here: CUDA, half-precision queries,
+    rank 8, any G from 1 to 16. Measured on the H200 at 1M tokens against the three-dot kernel
+    (``scripts/device/score_probe.py``): G = 1 (32 KV heads) 1255 vs 3836 us with the FMA
+    contraction, G = 4 / 8 about 2x, G = 16 (2 KV heads) 236 vs 275 us. For G = 1 the default
+    contraction is the FMA broadcast (``coef=2``): the page-pair dots with a single head (N = 1)
+    gave wrong scores on the H200 at 16-32 pages per step (right at 8; the interpreter agrees with
+    the reference; cause not found), so they are never chosen for G = 1."""
+    return (queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and 1 <= group <= 16
             and rank == 8)
 
 
@@ -228,6 +229,8 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
         coef = 3 if gq >= 2 else 2
     if coef not in (2, 3):
         raise ValueError(f"coef={coef!r}: allowed 2 (FMA broadcast) or 3 (block-diagonal page-pair dots)")
+    if coef == 3 and gq == 1 and queries.is_cuda:
+        raise ValueError("coef=3 with G = 1 gives wrong scores on the H200 (see supports()); use coef=2")
     dot_dt = tl.float16 if half and (unpack == 2 or dot == "fp16") else dot_dtype(queries.dtype)
     kernel[(ws["n_chunks"], bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
