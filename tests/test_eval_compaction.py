@@ -247,7 +247,8 @@ def test_fork_of_a_locks_cache_over_a_compacted_prefix_continues_at_position_T(m
         sparse = serve.to_locks_cache(model, prefix, method="locks", config=LocksConfig(budget=256))
         assert prefix.kept + len(first) + len(then) <= 256  # every page attended: exact
         for t in first:
-            step(model, dense, t), step(model, sparse, t)
+            step(model, dense, t)
+            step(model, sparse, t)
         fork, ref = fork_cache(sparse), copy.deepcopy(dense)
         assert fork.get_seq_length() == len(prefix_ids) + len(first)
         assert fork.physical_length() == prefix.kept + len(first)
