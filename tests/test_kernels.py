@@ -258,8 +258,9 @@ def _recon(s):
     return s.centroid_float()[..., None, :] + s.coef_float() @ s.basis_float()
 
 
+@pytest.mark.parametrize("rotation", ["gathers", "lean", "dots"])
 @pytest.mark.parametrize("d,dtype,rank", [(64, F32, 0), (128, BF16, 0), (128, F32, 5), (64, F16, 12)])
-def test_build_matches_reference(d, dtype, rank):
+def test_build_matches_reference(d, dtype, rank, rotation):
     gen = torch.Generator().manual_seed(d + rank)
     lead, p = (2,), (3 if not CUDA else 500)
     if rank:  # low-rank pages: the subspace is exact and unique
@@ -269,7 +270,7 @@ def test_build_matches_reference(d, dtype, rank):
         keys = torch.randn(*lead, p, S, d, generator=gen)
     keys = keys.to(dtype).to(DEV)
     cfg = LocksConfig()
-    got = _cpu(build_tri.build_summaries(keys, cfg))
+    got = _cpu(build_tri.build_summaries(keys, cfg, rotation=rotation))
     keys = keys.cpu()
     ref = build_summaries(keys, cfg)
     kf = keys.float()

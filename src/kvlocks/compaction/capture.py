@@ -123,7 +123,7 @@ class Capture:
 
     Attributes
     ----------
-    keys, values : tuple of Tensor [Hkv, T, D], model dtype (post-RoPE keys)
+    keys, values : tuple of Tensor [Hkv, T, D], model dtype, on the CPU (post-RoPE keys)
     queries : tuple of Tensor [Hkv, n, D], float32 (pooled over the GQA group, n <= cap)
     scales : tuple of float
         Each layer's logit scale, as its attention received it.
@@ -228,8 +228,10 @@ def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
             cache.crop(num - cache.get_seq_length())  # back to the T prefix tokens
             logger.info("captured %s: %d queries per KV head", p.name, recorder.counts[p.name])
     layers = range(text.num_hidden_layers)
-    return Capture(keys=tuple(cache.layers[i].keys[0].contiguous() for i in layers),  # [Hkv, T, D]
-                   values=tuple(cache.layers[i].values[0].contiguous() for i in layers),
+    # on the CPU, like the queries: the fits run there (a CUDA model's K/V would otherwise meet
+    # CPU queries in the solvers)
+    return Capture(keys=tuple(cache.layers[i].keys[0].cpu().contiguous() for i in layers),  # [Hkv, T, D]
+                   values=tuple(cache.layers[i].values[0].cpu().contiguous() for i in layers),
                    queries=tuple(recorder.pooled(i) for i in layers),
                    scales=tuple(recorder.scales[i] for i in layers),
                    counts=dict(recorder.counts), prefix_len=num,

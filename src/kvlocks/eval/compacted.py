@@ -99,14 +99,6 @@ def _bare_reference():
     return ReferenceConfig(repeat=False, self_study=())
 
 
-def _to_cpu(capture):
-    """The capture with its K/V on the CPU (the fits run there; queries already are)."""
-    if all(k.device.type == "cpu" for k in capture.keys):
-        return capture
-    return dataclasses.replace(capture, keys=tuple(k.cpu() for k in capture.keys),
-                               values=tuple(v.cpu() for v in capture.values))
-
-
 class RecordCompactions:
     """The compacted prefixes of one record's context, each fitted at most once.
 
@@ -148,8 +140,8 @@ class RecordCompactions:
 
         self.progress("prefilling" if keep_all else "capturing reference queries")
         passes = [] if keep_all else reference_passes(self.tokenizer, self.ids, self.settings.reference())
-        cap = _to_cpu(capture_queries(self.model, self.ids.to(self.model.device), passes,
-                                      max_queries=self.settings.max_queries, seed=self.settings.seed))
+        cap = capture_queries(self.model, self.ids.to(self.model.device), passes,
+                              max_queries=self.settings.max_queries, seed=self.settings.seed)
         if keep_all:
             return cap
         self._capture = cap

@@ -65,10 +65,98 @@ def _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S: tl.constexpr):
 
 
 @triton.jit
+def _pairs(t, ii, S: tl.constexpr):
+    """Round-robin step t: partner of each index (S - 1 meets t), and (j == partner(i)) as floats."""
+    part = tl.where(ii == t, S - 1, tl.where(ii == S - 1, t, (2 * t - ii + 2 * (S - 1)) % (S - 1)))
+    return part, (ii[None, :] == part[:, None]).to(tl.float32)
+
+
+@triton.jit
+def _rotation(app, aqq, apq, is_p):
+    """Jacobi rotation zeroing a_pq, per index: (t, c, weight of the partner's row/column)."""
+    zero = apq == 0.0
+    theta = (aqq - app) / (2.0 * tl.where(zero, 1.0, apq))
+    tt = tl.where(theta >= 0, 1.0, -1.0) / (tl.abs(theta) + tl.sqrt(theta * theta + 1.0))
+    tt = tl.where(zero, 0.0, tt)
+    c = 1.0 / tl.sqrt(tt * tt + 1.0)
+    return tt, c, tl.where(is_p, -tt * c, tt * c)
+
+
+@triton.jit
+def _jacobi_gathers(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
+    """Cyclic parallel Jacobi, rotations applied by gathering partner rows/columns (exact float32)."""
+    ii = tl.arange(0, S)
+    for _sweep in range(n_sweeps):
+        for t in range(S - 1):
+            part, pm = _pairs(t, ii, S)
+            diag = tl.sum(a * eye[None, :, :], axis=2)
+            dpart = tl.sum(diag[:, None, :] * pm[None, :, :], axis=2)
+            apq = 0.5 * (tl.sum(a * pm[None, :, :], axis=2) + tl.sum(a * tl.trans(pm)[None, :, :], axis=1))
+            is_p = (ii < part)[None, :]
+            _, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
+            idx = tl.broadcast_to(part[None, None, :], (BP, S, S))
+            a = c[:, None, :] * a + sg[:, None, :] * tl.gather(a, idx, 2)  # columns: A J
+            a = c[:, :, None] * a + sg[:, :, None] * tl.gather(a, tl.permute(idx, (0, 2, 1)), 1)  # rows
+            v = c[:, None, :] * v + sg[:, None, :] * tl.gather(v, idx, 2)
+    return a, v
+
+
+@triton.jit
+def _jacobi_lean(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
+    """:func:`_jacobi_gathers` with the diagonal tracked in closed form (a_pp -= t a_pq,
+    a_qq += t a_pq) and a_pq from one masked reduction plus a gather of an ``[BP, S]`` vector, instead
+    of four reductions over the tile per step. Returns (A, V, tracked eigenvalues)."""
+    ii = tl.arange(0, S)
+    diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
+    for _sweep in range(n_sweeps):
+        for t in range(S - 1):
+            part, pm = _pairs(t, ii, S)
+            x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
+            pidx = tl.broadcast_to(part[None, :], (BP, S))
+            apq = 0.5 * (x + tl.gather(x, pidx, 1))  # the same value for both indices of a pair
+            dpart = tl.gather(diag, pidx, 1)
+            is_p = (ii < part)[None, :]
+            tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
+            diag = diag + tl.where(is_p, -tt, tt) * apq
+            idx = tl.broadcast_to(part[None, None, :], (BP, S, S))
+            a = c[:, None, :] * a + sg[:, None, :] * tl.gather(a, idx, 2)  # columns: A J
+            a = c[:, :, None] * a + sg[:, :, None] * tl.gather(a, tl.permute(idx, (0, 2, 1)), 1)  # rows
+            v = c[:, None, :] * v + sg[:, None, :] * tl.gather(v, idx, 2)
+    return a, v, diag
+
+
+@triton.jit
+def _jacobi_dots(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+    """The same rotations as :func:`_jacobi_gathers`, applied as batched dots with the rotation
+    matrix J (``A <- J^T (A J)``, ``V <- V J``; float32-accurate ``tf32x3`` on the GPU) and the
+    diagonal tracked in closed form (a_pp -= t a_pq, a_qq += t a_pq): one masked reduction per step
+    (a_pq) instead of four, no gathers of the tiles. Returns (A, V, tracked eigenvalues)."""
+    ii = tl.arange(0, S)
+    diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
+    for _sweep in range(n_sweeps):
+        for t in range(S - 1):
+            part, pm = _pairs(t, ii, S)
+            x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
+            pidx = tl.broadcast_to(part[None, :], (BP, S))
+            apq = 0.5 * (x + tl.gather(x, pidx, 1))  # the same value for both indices of a pair
+            dpart = tl.gather(diag, pidx, 1)
+            is_p = (ii < part)[None, :]
+            tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
+            diag = diag + tl.where(is_p, -tt, tt) * apq
+            # J[k, j] = c_j (k == j) + sg_j (k == partner(j));  J^T[j, k] likewise by rows
+            jm = c[:, None, :] * eye[None, :, :] + sg[:, None, :] * tl.trans(pm)[None, :, :]
+            jt = c[:, :, None] * eye[None, :, :] + sg[:, :, None] * pm[None, :, :]
+            a = tl.dot(jt, tl.dot(a, jm, input_precision=PRECISION), input_precision=PRECISION)
+            v = tl.dot(v, jm, input_precision=PRECISION)
+    return a, v, diag
+
+
+@triton.jit
 def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv, bt_ptr, stride_bt,
                   basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr, censcale_ptr, eig_ptr, n_sweeps,
                   floor2, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
-                  INCREMENTAL: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr):
+                  INCREMENTAL: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr,
+                  ROT: tl.constexpr = 0):
     it = tl.program_id(0) * BP + tl.arange(0, BP)
     im = it < n_items
     i = it // Hkv
@@ -92,27 +180,13 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
         ii = tl.arange(0, S)
         eye = (ii[:, None] == ii[None, :]).to(tl.float32)
         v = tl.zeros([BP, S, S], tl.float32) + eye[None, :, :]
-        for _sweep in range(n_sweeps):
-            for t in range(S - 1):
-                part = tl.where(ii == t, S - 1, tl.where(ii == S - 1, t, (2 * t - ii + 2 * (S - 1)) % (S - 1)))
-                pm = (ii[None, :] == part[:, None]).to(tl.float32)  # pm[i, j] = (j == partner(i))
-                diag = tl.sum(a * eye[None, :, :], axis=2)
-                dpart = tl.sum(diag[:, None, :] * pm[None, :, :], axis=2)
-                apq = 0.5 * (tl.sum(a * pm[None, :, :], axis=2) + tl.sum(a * tl.trans(pm)[None, :, :], axis=1))
-                is_p = (ii < part)[None, :]
-                app = tl.where(is_p, diag, dpart)
-                aqq = tl.where(is_p, dpart, diag)
-                zero = apq == 0.0
-                theta = (aqq - app) / (2.0 * tl.where(zero, 1.0, apq))
-                tt = tl.where(theta >= 0, 1.0, -1.0) / (tl.abs(theta) + tl.sqrt(theta * theta + 1.0))
-                tt = tl.where(zero, 0.0, tt)
-                c = 1.0 / tl.sqrt(tt * tt + 1.0)
-                sg = tl.where(is_p, -tt * c, tt * c)  # weight of the partner's row/column
-                idx = tl.broadcast_to(part[None, None, :], (BP, S, S))
-                a = c[:, None, :] * a + sg[:, None, :] * tl.gather(a, idx, 2)  # columns: A J
-                a = c[:, :, None] * a + sg[:, :, None] * tl.gather(a, tl.permute(idx, (0, 2, 1)), 1)  # rows
-                v = c[:, None, :] * v + sg[:, None, :] * tl.gather(v, idx, 2)
-        lam = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S] eigenvalues, eigenvectors = columns of v
+        if ROT == 1:
+            a, v, lam = _jacobi_dots(a, v, eye, n_sweeps, BP, S, PRECISION)
+        elif ROT == 2:
+            a, v, lam = _jacobi_lean(a, v, eye, n_sweeps, BP, S)
+        else:
+            a, v = _jacobi_gathers(a, v, eye, n_sweeps, BP, S)
+            lam = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S] eigenvalues, eigenvectors = columns of v
         rank = tl.sum(((lam[:, None, :] > lam[:, :, None]) |
                        ((lam[:, None, :] == lam[:, :, None]) & (ii[None, None, :] < ii[None, :, None]))).to(tl.int32),
                       axis=2)  # [BP, S]: position of eigenvalue i in descending order
@@ -157,34 +231,48 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
 # Bulk builds on CUDA tune items per program and warps once per shape (the kernel rewrites its
 # outputs, so re-running it while tuning is harmless); incremental builds keep a fixed launch.
 _BUILD_CONFIGS = [triton.Config({"BP": bp}, num_warps=w) for bp, w in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8))]
-_build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE_EIG"])(_build_kernel)
+_build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE_EIG", "ROT"])(_build_kernel)
+ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2}  # how Jacobi rotates: _jacobi_gathers / _dots / _lean
+ROTATION = "gathers"
 
 
-def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=SWEEPS):
+def _rot(rotation: str | None) -> int:
+    rotation = ROTATION if rotation is None else rotation
+    if rotation not in ROTATIONS:
+        raise ValueError(f"rotation={rotation!r}: allowed {tuple(ROTATIONS)}")
+    return ROTATIONS[rotation]
+
+
+def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=SWEEPS, rotation=None, launch=None):
     _, s, hkv, d = k_cache.shape
+    rot = _rot(rotation)
     if k_cache.stride(-1) != 1:
         raise ValueError("k_cache needs a contiguous last dim")
     prec = "tf32x3" if k_cache.is_cuda else "ieee"
     tb = table if table is not None else ids
-    tuned = k_cache.is_cuda and not incremental
+    tuned = k_cache.is_cuda and not incremental and not launch
     kernel = _build_tuned if tuned else _build_kernel
-    launch = {} if tuned else {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4}
+    launch = {} if tuned else dict(launch or {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4})
     kernel[lambda meta: (triton.cdiv(max(n_items, 1), meta["BP"]),)](
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ids, n_items, hkv, tb,
         tb.stride(0) if table is not None else 0, store.basis, store.basis_scale, store.coef, store.coef_scale,
         store.centroid, store.centroid_scale, eig if eig is not None else store.coef_scale, sweeps, REL_FLOOR**2,
-        S=s, D=d, R=store.rank, INCREMENTAL=incremental, WRITE_EIG=eig is not None, PRECISION=prec, **launch,
+        S=s, D=d, R=store.rank, INCREMENTAL=incremental, WRITE_EIG=eig is not None, PRECISION=prec, ROT=rot,
+        **launch,
     )
 
 
 def build_pages(k_cache: torch.Tensor, store: PagedSummaries, page_ids: torch.Tensor, *, eig=None,
-                sweeps: int = SWEEPS) -> None:
+                sweeps: int = SWEEPS, rotation: str | None = None, launch: dict | None = None) -> None:
     """Build the summaries of physical pages ``page_ids [N]`` int32 (-1 = skip), all KV heads.
 
     k_cache : ``[num_pages, S, Hkv, D]``; writes ``store`` at those page ids. ``eig``: optional
     float32 ``[N * Hkv, S]`` receiving each page's Gram eigenvalues in descending order.
+    ``rotation``: a key of :data:`ROTATIONS`; None = :data:`ROTATION`. ``launch``: fixed ``BP`` /
+    ``num_warps`` instead of the autotuned launch (CUDA bulk builds).
     """
-    _launch(k_cache, store, page_ids, page_ids.numel() * k_cache.shape[2], None, False, eig, sweeps)
+    _launch(k_cache, store, page_ids, page_ids.numel() * k_cache.shape[2], None, False, eig, sweeps, rotation,
+            launch)
 
 
 def build_new_pages(k_cache: torch.Tensor, store: PagedSummaries, block_table: torch.Tensor,
@@ -194,7 +282,7 @@ def build_new_pages(k_cache: torch.Tensor, store: PagedSummaries, block_table: t
     _launch(k_cache, store, seq_lens, seq_lens.numel() * k_cache.shape[2], block_table, True)
 
 
-def build_summaries(keys: torch.Tensor, config: LocksConfig) -> PageSummaries:
+def build_summaries(keys: torch.Tensor, config: LocksConfig, *, rotation: str | None = None) -> PageSummaries:
     """Same as :func:`kvlocks.summary.build.build_summaries` (int4/int8): ``[..., P, S, D]`` pages."""
     check_kernel_config(config, keys.shape[-1])
     *lead, p, s, d = keys.shape
@@ -206,7 +294,7 @@ def build_summaries(keys: torch.Tensor, config: LocksConfig) -> PageSummaries:
     eig = torch.zeros(rows * p, s, device=keys.device)
     ids = torch.arange(rows * p, dtype=torch.int32, device=keys.device)
     if rows * p:
-        build_pages(cache, store, ids, eig=eig)
+        build_pages(cache, store, ids, eig=eig, rotation=rotation)
     lam = eig.clamp_min(0.0).view(*lead, p, s)
     r = config.rank
     kept = lam[..., :r] > (REL_FLOOR**2) * lam[..., :1]
