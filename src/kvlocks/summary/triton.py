@@ -8,7 +8,12 @@
 2. cyclic parallel Jacobi on the Gram: each step rotates the S/2 disjoint pairs of a round-robin
    tournament (partner(i) = (2t - i) mod (S-1), with S-1 meeting t), the rotations applied as
    ``A <- J^T A J`` and ``V <- V J`` through ``tl.gather`` of the partner rows/columns; a sweep is
-   S-1 steps and meets every pair once;
+   S-1 steps and meets every pair once. Three variants (``ROTATIONS``, same rotations, results
+   equal up to float32 rounding): ``gathers`` (the default, measured on the H200: 2.45 s for
+   llama3-8b at 1M), ``lean`` (diagonal tracked in closed form, one reduction per step: 284
+   instead of 468 SASS instructions per thread per step for sm_90, not yet timed on a GPU) and
+   ``dots`` (rotations as tf32x3 batched dots: 733 instructions); ``scripts/device/build_probe.py``
+   times them;
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
@@ -83,8 +88,19 @@ def _rotation(app, aqq, apq, is_p):
 
 
 @triton.jit
+def _rotate_by_gathers(a, v, c, sg, part, BP: tl.constexpr, S: tl.constexpr):
+    """Apply one step's rotations: ``A <- J^T A J``, ``V <- V J`` by gathering partner rows/columns."""
+    idx = tl.broadcast_to(part[None, None, :], (BP, S, S))
+    a = c[:, None, :] * a + sg[:, None, :] * tl.gather(a, idx, 2)  # columns: A J
+    a = c[:, :, None] * a + sg[:, :, None] * tl.gather(a, tl.permute(idx, (0, 2, 1)), 1)  # rows
+    v = c[:, None, :] * v + sg[:, None, :] * tl.gather(v, idx, 2)
+    return a, v
+
+
+@triton.jit
 def _jacobi_gathers(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
-    """Cyclic parallel Jacobi, rotations applied by gathering partner rows/columns (exact float32)."""
+    """Cyclic parallel Jacobi: the pair entries read from the tile by masked reductions each step,
+    rotations applied by gathers (exact float32). Returns (A, V); eigenvalues = diag(A)."""
     ii = tl.arange(0, S)
     for _sweep in range(n_sweeps):
         for t in range(S - 1):
@@ -94,55 +110,48 @@ def _jacobi_gathers(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
             apq = 0.5 * (tl.sum(a * pm[None, :, :], axis=2) + tl.sum(a * tl.trans(pm)[None, :, :], axis=1))
             is_p = (ii < part)[None, :]
             _, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
-            idx = tl.broadcast_to(part[None, None, :], (BP, S, S))
-            a = c[:, None, :] * a + sg[:, None, :] * tl.gather(a, idx, 2)  # columns: A J
-            a = c[:, :, None] * a + sg[:, :, None] * tl.gather(a, tl.permute(idx, (0, 2, 1)), 1)  # rows
-            v = c[:, None, :] * v + sg[:, None, :] * tl.gather(v, idx, 2)
+            a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
     return a, v
 
 
 @triton.jit
+def _tracked_step(a, diag, t, ii, BP: tl.constexpr, S: tl.constexpr):
+    """One step's rotations with the diagonal tracked in closed form (a_pp -= t a_pq, a_qq += t a_pq):
+    a_pq from one masked reduction plus a gather of an ``[BP, S]`` vector (the same value for both
+    indices of a pair). Returns (partner, partner mask, c, partner weight, new diagonal)."""
+    part, pm = _pairs(t, ii, S)
+    x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
+    pidx = tl.broadcast_to(part[None, :], (BP, S))
+    apq = 0.5 * (x + tl.gather(x, pidx, 1))
+    dpart = tl.gather(diag, pidx, 1)
+    is_p = (ii < part)[None, :]
+    tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
+    return part, pm, c, sg, diag + tl.where(is_p, -tt, tt) * apq
+
+
+@triton.jit
 def _jacobi_lean(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
-    """:func:`_jacobi_gathers` with the diagonal tracked in closed form (a_pp -= t a_pq,
-    a_qq += t a_pq) and a_pq from one masked reduction plus a gather of an ``[BP, S]`` vector, instead
-    of four reductions over the tile per step. Returns (A, V, tracked eigenvalues)."""
+    """:func:`_jacobi_gathers` with :func:`_tracked_step`: one masked reduction over the tile per
+    step instead of four. Returns (A, V, tracked eigenvalues)."""
     ii = tl.arange(0, S)
     diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
     for _sweep in range(n_sweeps):
         for t in range(S - 1):
-            part, pm = _pairs(t, ii, S)
-            x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
-            pidx = tl.broadcast_to(part[None, :], (BP, S))
-            apq = 0.5 * (x + tl.gather(x, pidx, 1))  # the same value for both indices of a pair
-            dpart = tl.gather(diag, pidx, 1)
-            is_p = (ii < part)[None, :]
-            tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
-            diag = diag + tl.where(is_p, -tt, tt) * apq
-            idx = tl.broadcast_to(part[None, None, :], (BP, S, S))
-            a = c[:, None, :] * a + sg[:, None, :] * tl.gather(a, idx, 2)  # columns: A J
-            a = c[:, :, None] * a + sg[:, :, None] * tl.gather(a, tl.permute(idx, (0, 2, 1)), 1)  # rows
-            v = c[:, None, :] * v + sg[:, None, :] * tl.gather(v, idx, 2)
+            part, pm, c, sg, diag = _tracked_step(a, diag, t, ii, BP, S)
+            a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
     return a, v, diag
 
 
 @triton.jit
 def _jacobi_dots(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
-    """The same rotations as :func:`_jacobi_gathers`, applied as batched dots with the rotation
-    matrix J (``A <- J^T (A J)``, ``V <- V J``; float32-accurate ``tf32x3`` on the GPU) and the
-    diagonal tracked in closed form (a_pp -= t a_pq, a_qq += t a_pq): one masked reduction per step
-    (a_pq) instead of four, no gathers of the tiles. Returns (A, V, tracked eigenvalues)."""
+    """:func:`_tracked_step` with the rotations applied as batched dots with the rotation matrix J
+    (``A <- J^T (A J)``, ``V <- V J``; ``tf32x3`` on the GPU): no gathers of the tiles. Returns
+    (A, V, tracked eigenvalues)."""
     ii = tl.arange(0, S)
     diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
     for _sweep in range(n_sweeps):
         for t in range(S - 1):
-            part, pm = _pairs(t, ii, S)
-            x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
-            pidx = tl.broadcast_to(part[None, :], (BP, S))
-            apq = 0.5 * (x + tl.gather(x, pidx, 1))  # the same value for both indices of a pair
-            dpart = tl.gather(diag, pidx, 1)
-            is_p = (ii < part)[None, :]
-            tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
-            diag = diag + tl.where(is_p, -tt, tt) * apq
+            _, pm, c, sg, diag = _tracked_step(a, diag, t, ii, BP, S)
             # J[k, j] = c_j (k == j) + sg_j (k == partner(j));  J^T[j, k] likewise by rows
             jm = c[:, None, :] * eye[None, :, :] + sg[:, None, :] * tl.trans(pm)[None, :, :]
             jt = c[:, :, None] * eye[None, :, :] + sg[:, :, None] * pm[None, :, :]
