@@ -124,20 +124,13 @@ class CompactedLocksCache(_LogicalLength, LocksCache):
         self.prefix_len, self.kept, self.compaction = prefix.prefix_len, prefix.kept, prefix.method
         self.position_offset = prefix.prefix_len - prefix.kept
 
-    def fork(self, *, method=None, config: LocksConfig | None = None) -> "CompactedLocksCache":
-        """An independent copy (as :meth:`LocksCache.fork`) that still continues at position T.
-
-        ``LocksCache.fork`` builds a plain ``LocksCache``, which would report the physical length
-        t + n as the next position: ``kvlocks eval`` forks at the first divergence from full's
-        answer and teacher-forces the fork, so every later token got a position T - t too small
-        (about 1,000 at fold@0.5 of a 2K context) and KL to full rose from 0.58 to 2.3-2.5 on a
-        noise-needle record (docs/compaction.md, "The two combined").
-        """
-        new = super().fork(method=method, config=config)
-        new.__class__ = CompactedLocksCache  # only adds plain attributes: layers/stores stay owned by `new`
+    def _fork_state(self, new: "CompactedLocksCache") -> None:
+        """A fork (:meth:`LocksCache.fork`) still continues at position T. (Before this hook a fork
+        was a plain ``LocksCache`` reporting t + n as the next position: ``kvlocks eval`` forks at the
+        first divergence from full's answer and teacher-forces the fork, so every later token got
+        a position T - t too small and fold+LOCKS's KL was wrong; docs/compaction.md.)"""
         new.prefix_len, new.kept, new.compaction = self.prefix_len, self.kept, self.compaction
         new.position_offset = self.position_offset
-        return new
 
 
 def to_cache(model, prefix: CompactedPrefix) -> CompactedCache:

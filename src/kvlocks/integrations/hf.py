@@ -266,13 +266,19 @@ class LocksCache(Cache):
         settings match and rebuilt otherwise; the copy's byte accounting starts at zero.
         """
         method = (self.selector or "full") if method is None else method
-        new = LocksCache(self.model_config, method=method, config=config or self.config, backend=self.backend)
+        new = type(self).__new__(type(self))  # a subclass forks into its own class ...
+        LocksCache.__init__(new, self.model_config, method=method, config=config or self.config,
+                            backend=self.backend)
         for src, dst in zip(self.layers, new.layers):
             dst.store = src.store.fork(new.config, build=dst.store.build, owner=new)
             if dst.store.length:
                 dst.lazy_initialization(dst.store.keys, dst.store.values)
                 dst.keys, dst.values = dst.store.keys, dst.store.values
+        self._fork_state(new)  # ... and copies its own state
         return new
+
+    def _fork_state(self, new: "LocksCache") -> None:
+        """Hook for subclasses: copy state beyond K/V and summaries into the fork ``new``."""
 
     def uses_kernels(self, keys: torch.Tensor | None) -> bool:
         """Whether this cache runs the Triton kernels for keys like ``keys [B, Hkv, N, D]``."""
