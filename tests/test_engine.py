@@ -155,6 +155,26 @@ def test_triton_backend_matches_torch_backend():
         assert torch.allclose(out["torch"][1], out["triton"][1], atol=1e-4 * float(out["torch"][1].abs().max()))
 
 
+def test_compiled_step_equals_eager_and_compiles_once_for_all_layers():
+    """torch.compile of the per-layer pieces: the same tokens and logits as the eager step, and one
+    graph per piece serves every layer (parameters are graph inputs, not constants)."""
+    from torch._dynamo.utils import counters
+
+    model = _tiny("glm4-9b-1m", seed=4, num_hidden_layers=3)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=32), max_context=64,
+                                               backend="torch", compile=compiled))
+        out[compiled] = (eng.generate(ids, max_new_tokens=6), eng.step.logits.clone())
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == (2 if compiled else 0), graphs
+    assert torch.equal(out[False][0], out[True][0])
+    assert torch.allclose(out[False][1], out[True][1], rtol=1e-4, atol=1e-4 * float(out[False][1].abs().max()))
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_equals_eager_steps():
     model = _tiny("llama3.1-8b", seed=3).to("cuda")
@@ -273,6 +293,8 @@ def test_bad_input_raises_clear_errors():
         EngineConfig(locks=LocksConfig(basis_bits=8))
     with pytest.raises(ValueError, match="EngineConfig.batch"):
         EngineConfig(batch=0)
+    with pytest.raises(ValueError, match="EngineConfig.compile"):
+        EngineConfig(compile="yes")
     with pytest.raises(ValueError, match="model_type"):
         model_parts(torch.nn.Linear(2, 2))
     model = _tiny("llama3.1-8b", num_hidden_layers=1)

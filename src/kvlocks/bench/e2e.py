@@ -66,6 +66,7 @@ class E2EBenchConfig(ConfigIO):
     prefill_chunk: int = 8192
     reserve_gib: float = 3.0
     dtype: str = "bfloat16"
+    compile: bool = False
     seed: int = 0
     model_overrides: dict = field(default_factory=dict)
 
@@ -83,6 +84,8 @@ class E2EBenchConfig(ConfigIO):
             check_int("E2EBenchConfig", "batches", b, 1, 256)
         check_int("E2EBenchConfig", "steps", self.steps, 3)
         check_int("E2EBenchConfig", "warmup", self.warmup, 0)
+        if self.compile not in (True, False):
+            raise ValueError(f"E2EBenchConfig.compile={self.compile!r}: allowed True or False")
         check_int("E2EBenchConfig", "max_prefill", self.max_prefill, 0)
         check_int("E2EBenchConfig", "prefill_chunk", self.prefill_chunk, 1)
         if self.dtype not in DTYPES:
@@ -247,14 +250,15 @@ class _Case:
     def measure(self, method: str) -> dict:
         cfg, dev = self.b.cfg, self.b.device
         self.cache.set_length(self.n)
-        step = DecodeStep(self.parts, self.cache, method=method, backend=self.b.backend)
+        step = DecodeStep(self.parts, self.cache, method=method, backend=self.b.backend, compile=cfg.compile)
         step.tokens.copy_(self.first)
         runner = StepRunner(step, use_graph=self.b.use_graph)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         times = _time_steps(runner, dev, cfg.steps, cfg.warmup)
         tpot = statistics.median(times)
-        row = {"method": method, "kernel": step.attn.kernel, "tpot_ms": tpot, "steps": cfg.steps,
+        row = {"method": method, "kernel": step.attn.kernel, "compiled": cfg.compile, "tpot_ms": tpot,
+               "steps": cfg.steps,
                "tpot_p10_ms": _quantile(times, 0.1), "tpot_p90_ms": _quantile(times, 0.9),
                "budget": cfg.budget if method == "locks" else None,
                "build_ms": self.build_ms if method == "locks" else None,

@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     e.add_argument("--warmup", type=int, help="untimed replays per row (default 4)")
     e.add_argument("--max-prefill", help="real prefill (TTFT) up to this many tokens per case, random K/V "
                                           "above (default 128K; 0 = never)")
+    e.add_argument("--compile", action="store_true", default=None,
+                   help="decode step's per-layer pieces around the attention through torch.compile")
     p.set_defaults(func=run)
 
 
@@ -49,7 +51,7 @@ def _e2e_config(args):
     kw = {}
     conv = {"models": lambda t: tuple(x.strip() for x in t.split(",")), "contexts": _sizes, "batches": _ints,
             "batch_context": lambda t: _sizes(t)[0], "methods": lambda t: tuple(x.strip() for x in t.split(",")),
-            "budget": int, "steps": int, "warmup": int, "max_prefill": lambda t: _sizes(t)[0]}
+            "budget": int, "steps": int, "warmup": int, "max_prefill": lambda t: _sizes(t)[0], "compile": bool}
     for name, fn in conv.items():
         value = getattr(args, name, None)
         if value is not None:

@@ -27,6 +27,8 @@ class EngineConfig(ConfigIO):
     cuda_graph : capture the decode step in one CUDA graph; None = whenever the backend is Triton
     overlap_build : (locks) build each layer's summaries on a side CUDA stream while the prefill
         runs the next layers (:mod:`kvlocks.engine.overlap`); False builds them after the prefill
+    compile : run the decode step's per-layer pieces around the attention through ``torch.compile``
+        (:class:`~kvlocks.engine.step.DecodeStep`); the first step compiles them
     """
 
     method: str = "locks"
@@ -37,6 +39,7 @@ class EngineConfig(ConfigIO):
     backend: str | None = None
     cuda_graph: bool | None = None
     overlap_build: bool = True
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -57,5 +60,6 @@ class EngineConfig(ConfigIO):
             raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"EngineConfig.cuda_graph={self.cuda_graph!r}: allowed True, False or None")
-        if self.overlap_build not in (True, False):
-            raise ValueError(f"EngineConfig.overlap_build={self.overlap_build!r}: allowed True or False")
+        for name in ("overlap_build", "compile"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: allowed True or False")

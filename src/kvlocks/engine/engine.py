@@ -48,7 +48,7 @@ class DecodeEngine:
             max_context=config.max_context, config=config.locks, dtype=p.dtype, device=p.device,
             summaries=config.method == "locks",
         )
-        self.step = DecodeStep(p, self.cache, method=config.method, backend=self.backend)
+        self.step = DecodeStep(p, self.cache, method=config.method, backend=self.backend, compile=config.compile)
         self.runner: StepRunner | None = None
         self.pending_build: PrefillBuild | None = None
 

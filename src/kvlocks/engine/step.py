@@ -8,6 +8,13 @@ by ``index_copy_`` (a device-side index), attention (locks or dense), ``o_proj``
 post-attention norm and MLP; then the final norm, LM head and greedy argmax, written back into
 ``tokens``, and ``seq_lens += 1``. Nothing reads a device value on the host (Triton backend), so
 the step is captured once in a CUDA graph and replayed: each replay decodes one more token.
+
+With ``compile=True`` the two per-layer pieces around the attention (input norm + q/k/v
+projections + RoPE, and o_proj + residuals + post-attention norm + MLP) run through
+``torch.compile``: Inductor fuses their chain of small elementwise kernels (norms in float32
+pieces, RoPE, residual adds, SiLU-mul: ~2.3 ms of a GLM-4-9B step on the H200,
+``scripts/device/step_profile.py``). Parameters are graph inputs, so each piece compiles once
+and serves every layer; the attention, the K/V writes and the LM head stay as they are.
 """
 
 from __future__ import annotations
@@ -28,10 +35,14 @@ class DecodeStep:
     cache : StaticPagedCache holding the prompt (length set)
     method : ``"locks"`` or ``"dense"``
     backend : ``"triton"`` or ``"torch"``
+    compile : run the per-layer pieces around the attention through ``torch.compile``
     """
 
-    def __init__(self, parts: ModelParts, cache: StaticPagedCache, *, method: str, backend: str) -> None:
-        self.parts, self.cache, self.backend = parts, cache, backend
+    def __init__(self, parts: ModelParts, cache: StaticPagedCache, *, method: str, backend: str,
+                 compile: bool = False) -> None:
+        self.parts, self.cache, self.backend, self.compiled = parts, cache, backend, compile
+        self._qkv = torch.compile(project_qkv, dynamic=False) if compile else project_qkv
+        self._finish = torch.compile(finish_layer, dynamic=False) if compile else finish_layer
         dev = cache.k.device
         self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)  # [B] next input token
         self.lens_next = torch.zeros_like(cache.seq_lens)  # [B] int32
@@ -55,11 +66,11 @@ class DecodeStep:
         cos, sin = p.rotary(x, pos.unsqueeze(1))
         hq, d = p.num_q_heads, p.head_dim
         for li, layer in enumerate(p.layers):
-            q, k, v = project_qkv(p, layer, x, cos, sin)  # [B, Hq, 1, D], [B, Hkv, 1, D]
+            q, k, v = self._qkv(p, layer, x, cos, sin)  # [B, Hq, 1, D], [B, Hkv, 1, D]
             self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
             self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
             out = self.attn.run(li, q[:, :, 0].contiguous(), self.lens_next)  # [B, Hq, D]
-            x = finish_layer(layer, x, out.reshape(bsz, 1, hq * d))
+            x = self._finish(layer, x, out.reshape(bsz, 1, hq * d))
         logits = p.lm_head(p.norm(x))[:, 0]  # [B, V]
         torch.argmax(logits, dim=-1, out=self.tokens)
         c.seq_lens.copy_(self.lens_next)
