@@ -26,7 +26,7 @@ class EngineConfig(ConfigIO):
     backend : ``"triton"``, ``"torch"`` or None (Triton on CUDA, the PyTorch references otherwise)
     cuda_graph : capture the decode step in one CUDA graph; None = whenever the backend is Triton
     overlap_build : (locks) build each layer's summaries on a side CUDA stream while the prefill
-        runs the next layers (:mod:`kvlocks.engine.overlap`); False builds them after the prefill
+        runs the next layers (:mod:`kvlocks.engine.overlap`); False builds each in line, on the prefill's stream
     compile : run the decode step's per-layer pieces around the attention through ``torch.compile``
         (:class:`~kvlocks.engine.step.DecodeStep`); the first step compiles them
     """
