@@ -55,7 +55,7 @@ class E2EBenchConfig(ConfigIO):
     ``batch_context``. ``model_overrides`` changes config fields of every model (tiny test runs)."""
 
     models: tuple[str, ...] = ("glm4-9b-1m", "llama3.1-8b")
-    contexts: tuple[int, ...] = (16384, 65536, 131072, 262144, 524288, 1048576)
+    contexts: tuple[int, ...] = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)  # 32K: the crossover target
     batches: tuple[int, ...] = (1, 2, 3, 4)
     batch_context: int = 262144
     methods: tuple[str, ...] = ("dense", "locks")
