@@ -11,13 +11,13 @@ from scipy import stats
 
 from kvlocks import LocksConfig, build_summaries
 from kvlocks.attention.reference import dense_decode, sparse_decode
-from kvlocks.fidelity import bounds, ladder, metrics
+from kvlocks.fidelity import adaptive, bounds, ladder, metrics
 from kvlocks.fidelity.capture import ActivationCapture, load_capture, save_capture
 from kvlocks.fidelity.config import FidelityConfig
 from kvlocks.fidelity.exact import LayerData, exact_layer
 from kvlocks.fidelity.scopes import GlobalBases, centred, loki_logits, page_local_logits, sequence_logits
 from kvlocks.fidelity.tails import TailStats, page_properties
-from kvlocks.fidelity.variants import Resources, estimate, variant
+from kvlocks.fidelity.variants import Resources, bytes_per_page, estimate, variant
 from kvlocks.scoring import summary_logits
 from kvlocks.selection import LayerView, LokiCalibration, LokiSelector, ShadowKVSelector
 from kvlocks.summary import spectral_basis
@@ -248,6 +248,131 @@ def test_tail_stats_and_page_properties():
     s = ts.summary()
     assert s["quantiles"]["int4_vs_fp32"]["max"] <= 0.1 + 1e-6
     assert set(s["predictability"]) == {"norm_range", "gap", "sigma1"}
+
+
+# ----------------------------------------------------------------------------- adaptive precision
+
+
+def _spread_pages(h=2, p=20, seed=4):
+    """Pages whose key-norm ranges differ: every page's keys get their own scales."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(h, p, S, D, generator=gen)
+    return keys * (0.5 + 3 * torch.rand(h, p, S, 1, generator=gen))
+
+
+def test_adaptive_bytes_by_hand():
+    cfg = LocksConfig(page_size=16, rank=8, budget=32)
+    # head_dim 64: int4 basis 64*8/2 = 256 B, int8 basis 512 B; coefficients 16*8 = 128 B; centroid 64 B;
+    # scales float16: 8 (basis) + 16 (coefficient rows) + 1 (centroid) = 25 -> 50 B; flag 1 B
+    assert adaptive.summary_bytes(cfg, 64, 4) == (448, 50) and adaptive.summary_bytes(cfg, 64, 8) == (704, 50)
+    b = adaptive.mixed_bytes(cfg, 64, 0.25)  # a quarter of the pages int8: 448 + 0.25 * 256 = 512
+    assert (b["payload"], b["scales"], b["flags"], b["total"]) == (512.0, 50.0, 1, 563.0)
+    assert (b["int4"], b["int8"]) == (498, 754)
+    # and on built summaries: 3 of 12 pages promoted, head_dim 32 (int4 basis 128 B, int8 256 B)
+    pages = _spread_pages(h=1, p=12)
+    promoted = torch.zeros(1, 12, dtype=torch.bool)
+    promoted[0, [1, 5, 7]] = True
+    summ = adaptive.build_adaptive(pages, cfg, promoted)
+    assert summ.low.bytes_per_page() == adaptive.summary_bytes(cfg, D, 4) == (128 + 128 + 32, 50)
+    assert summ.high.bytes_per_page() == adaptive.summary_bytes(cfg, D, 8) == (256 + 128 + 32, 50)
+    got = summ.bytes_per_page()
+    assert (got["payload"], got["scales"], got["total"]) == (288 + 32.0, 50.0, 288 + 32 + 50 + 1.0)
+    res = Resources(page_size=S, rank=8)
+    assert bytes_per_page(variant("locks_adapt75"), res, 64) == 563.0  # nominal share 1 - 0.75
+    assert bytes_per_page(variant("locks_adapt90"), res, 64, promoted_share=0.25) == 563.0
+
+
+def test_adaptive_basis_is_int8_above_the_threshold_and_int4_below():
+    pages = _spread_pages()
+    cfg = LocksConfig(page_size=S, rank=8, budget=32)
+    promoted = adaptive.promote(pages, 0.8)
+    norms = pages.norm(dim=-1)
+    rng = (norms.amax(-1) - norms.amin(-1)).double().numpy()  # [H, P]
+    want = rng > np.percentile(rng, 80, axis=-1, keepdims=True)
+    assert promoted.numpy().tolist() == want.tolist()
+    assert promoted.sum(-1).tolist() == [4, 4]  # 20 pages, strictly above the 0.8 quantile
+    summ = adaptive.build_adaptive(pages, cfg, promoted)
+    int4 = build_summaries(pages, cfg.replace(basis_bits=4))
+    int8 = build_summaries(pages, cfg.replace(basis_bits=8))
+    basis = summ.basis_float()
+    assert torch.equal(basis[promoted], int8.basis_float()[promoted])
+    assert torch.equal(basis[~promoted], int4.basis_float()[~promoted])
+    assert not torch.equal(int4.basis_float()[promoted], int8.basis_float()[promoted])  # the check can fail
+    for name in ("coef_float", "centroid_float"):  # the same at both precisions
+        assert torch.equal(getattr(summ, name)(), getattr(int4, name)())
+        assert torch.equal(getattr(int8, name)(), getattr(int4, name)())
+
+
+def test_adaptive_causal_and_random_rules():
+    x = torch.tensor([[1.0, 3.0, 2.0, 5.0, 0.0, 4.0, 4.5, 6.0]])  # norm ranges of one head
+    pages = torch.zeros(1, 8, S, D)
+    pages[..., 0, 0] = x  # one key of norm x, the others 0: range = x
+    assert torch.allclose(adaptive.norm_range(pages), x)
+    want = [bool(x[0, j] > np.percentile(x[0, : j + 1].numpy(), 50)) for j in range(8)]
+    assert want == [False, True, False, True, False, True, True, True]
+    assert adaptive.promote(pages, 0.5, "causal")[0].tolist() == want
+    prefill = adaptive.promote(pages, 0.5, "prefill")
+    assert prefill[0].tolist() == [False, False, False, True, False, True, True, True]  # above the median 3.5
+    calib = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])  # 0.5 quantile 2.5, the same for every head
+    assert adaptive.promote(pages, 0.5, "calib", calib=calib)[0].tolist() == (x[0] > 2.5).tolist()
+    keys = torch.zeros(2, 2 * S + 5, D)  # two whole pages per head, 5 left-over tokens dropped
+    keys[0, 3, 0], keys[1, S + 2, 1], keys[1, 2 * S + 1, 0] = 2.0, -7.0, 100.0
+    assert adaptive.calibration_ranges([keys, keys[:1]], S).tolist() == [2.0, 0.0, 0.0, 7.0, 2.0, 0.0]
+    with pytest.raises(ValueError, match="calib"):
+        adaptive.promote(pages, 0.5, "calib")
+    rnd = adaptive.promote(pages, 0.5, "random", seed=3)
+    assert rnd.sum() == prefill.sum() and torch.equal(rnd, adaptive.promote(pages, 0.5, "random", seed=3))
+    with pytest.raises(ValueError, match="q="):
+        adaptive.promote(pages, 1.0)
+    with pytest.raises(ValueError, match="rule"):
+        adaptive.promote(pages, 0.5, "largest")
+    with pytest.raises(ValueError, match="promoted"):
+        adaptive.build_adaptive(pages, LocksConfig(page_size=S, rank=8, budget=32), prefill.float())
+
+
+def test_adaptive_variant_scores_match_int4_and_int8_pagewise():
+    data = _data(p=12, spread=1.0)
+    gen = torch.Generator().manual_seed(9)
+    scaled = data.keys * (0.5 + 3 * torch.rand(2, 12, 1, 1, generator=gen)).repeat_interleave(S, 1).squeeze(-1)
+    data = LayerData(keys=scaled, values=data.values, queries=data.queries, scale=data.scale, page_size=S, layer=0)
+    res = Resources(page_size=S, rank=8)
+    ex = exact_layer(data)
+    est = estimate(variant("locks_adapt75"), data, res, ex)
+    p4, p8 = estimate(variant("locks"), data, res, ex), estimate(variant("locks_int8"), data, res, ex)
+    promoted = est.promoted[:, None, None, :].expand_as(est.scores)  # [H, Q, G, P]
+    assert 0 < int(est.promoted.sum()) < est.promoted.numel()
+    assert torch.allclose(est.scores[promoted], p8.scores[promoted], atol=1e-5)
+    assert torch.allclose(est.scores[~promoted], p4.scores[~promoted], atol=1e-5)
+    v = variant("locks_adapt90_causal_max_share")
+    assert (v.adapt, v.adapt_rule, v.combine, v.bits) == (90, "causal", "max_share", 4)
+    assert variant("locks_adapt80_calib").adapt_rule == "calib"
+    for bad in ("locks_adapt0", "locks_adapt100", "locks_adapt", "locks_adapt90_oracle"):
+        with pytest.raises(ValueError):
+            variant(bad)
+
+
+def test_tail_stats_with_an_adaptive_variant(monkeypatch):
+    from kvlocks.fidelity import tails
+    monkeypatch.setattr(tails, "_SAMPLE", 40)  # fewer than a unit's 108 errors: the draws matter
+    data = _data(p=6)
+    props = page_properties(data.pages, spectral_basis(data.pages, 4)[4], 4)
+    ex = exact_layer(data)
+    noisy = {4: ex.lse + 0.1, 8: ex.lse + 0.01}
+    flags = torch.zeros(2, 6, dtype=torch.bool)
+    flags[:, 0] = True
+    adapt = ex.lse + 0.05 * torch.rand(ex.lse.shape, generator=torch.Generator().manual_seed(1))
+    plain, with_extra, with_two = TailStats(), TailStats(), TailStats()
+    for _ in range(2):
+        plain.add(ex.lse, ex.lse, noisy, props)
+        row = with_extra.add(ex.lse, ex.lse, noisy, props, extra={"adapt80": (adapt, flags)})
+        with_two.add(ex.lse, ex.lse, noisy, props, extra={"adapt70": (adapt * 1.01, flags), "adapt80": (adapt, flags)})
+    assert row["adapt80_vs_fp32"]["max"] == pytest.approx(float((adapt - ex.lse).max()), abs=1e-6)
+    a, b, c = plain.summary(), with_extra.summary(), with_two.summary()
+    for k, q in a["quantiles"].items():  # the other comparisons draw the same samples
+        assert b["quantiles"][k] == q
+    assert c["quantiles"]["adapt80_vs_fp32"] == b["quantiles"]["adapt80_vs_fp32"]  # and adding a variant neither
+    assert b["adaptive"]["adapt80"]["promoted_share"] == pytest.approx(1 / 6)
+    assert b["page_quantiles"]["adapt80"]["max"] == pytest.approx(float((adapt - ex.lse).mean(dim=(1, 2)).max()))
 
 
 # ----------------------------------------------------------------------------- capture files

@@ -8,6 +8,7 @@ carrier survival, for LOCKS and the selectors it is compared with (seed
 - :mod:`.exact` one layer's data and dense reference; :mod:`.variants` the selectors measured;
 - :mod:`.metrics` coverage, carriers, score errors, rank correlation; :mod:`.bounds` Eq. 6-9;
 - :mod:`.scopes` and :mod:`.ladder` the scope ladder; :mod:`.tails` quantization tails;
+  :mod:`.adaptive` int4/int8 basis chosen per page by key-norm range;
 - :mod:`.measure` one layer; :mod:`.runner` a run; :mod:`.summary` and :mod:`.plots` its files.
 
 Run it with ``kvlocks fidelity --out DIR`` (see ``docs/fidelity.md``).

@@ -16,7 +16,8 @@ Row kinds (all carry ``prompt``, ``task``, ``layer`` and, except ``quant``, ``kv
   selection over the exact selection's), ``eq8`` (``exp(-4 eta)``), ``out_err`` (group-mean
   ``||o_S - o||``), ``eq9`` and ``eq9_printed`` (:mod:`kvlocks.fidelity.bounds`);
 - ``energy`` (scope): captured within-page energy at ranks 1.. (:mod:`kvlocks.fidelity.ladder`);
-- ``quant``: quantiles of the quantization log-mass errors over the layer's measured heads.
+- ``quant``: quantiles of the quantization log-mass errors over the layer's measured heads
+  (adaptive-precision variants as ``adapt<PCT>[_rule]_vs_fp32`` / ``_vs_exact``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class LayerMeasure:
 
     def estimate(self, name: str) -> Estimate:
         v = variant(name)
-        key = f"{v.family}:{v.rank}:{v.bits}"  # combine rules share one estimate
+        key = f"{v.family}:{v.rank}:{v.bits}:{v.adapt}:{v.adapt_rule}"  # combine rules share one estimate
         if key not in self.cache:
             self.cache[key] = estimate(v, self.data, self.res, self.exact)
         return self.cache[key]
@@ -185,9 +186,16 @@ class LayerMeasure:
         unq = self.estimate("locks_fp32").scores
         quantized = {8: self.estimate("locks_int8").scores, 4: self.estimate("locks").scores,
                      2: self.estimate("locks_int2").scores}
+        extra = {}  # adaptive-precision variants, one entry per (percentile, rule)
+        for v in self.variants:
+            if v.adapt is not None:
+                est = self.estimate(v.name)
+                extra[f"adapt{v.adapt}" + ("" if v.adapt_rule == "prefill" else f"_{v.adapt_rule}")] = (
+                    est.scores, est.promoted)
         if rank < self.data.page_size:  # sigma_{R+1} exists
-            row = tails.add(ex.lse, unq, quantized, page_properties(self.data.pages, self.spectral[4], rank))
+            row = tails.add(ex.lse, unq, quantized, page_properties(self.data.pages, self.spectral[4], rank),
+                            extra=extra)
         else:
-            row = tails.add(ex.lse, unq, quantized, {}, tail_bits=-1)
+            row = tails.add(ex.lse, unq, quantized, {}, tail_bits=-1, extra=extra)
         self._row("quant", None, **{k: {q: _r(x) for q, x in v.items()} for k, v in row.items()})
 

@@ -10,7 +10,8 @@
 - ``energy_scope.png``: within-page energy captured vs rank and vs bytes per page, per scope;
 - ``eta_bound.png``: eta against its Eq. 7 bound, coverage retention against exp(-4 eta) (Eq. 8),
   output error against the Eq. 9 bound (unquantized summaries);
-- ``quant_tails.png``: quantiles of the quantization log-mass error per precision.
+- ``quant_tails.png``: quantiles of the quantization log-mass error per precision (and per
+  adaptive-precision variant, when one ran).
 """
 
 from __future__ import annotations
@@ -191,16 +192,20 @@ def plot_eta(rows: list[dict], summary: dict, out: Path) -> None:
 def plot_quant(summary: dict, out: Path) -> None:
     plt = _plt()
     q = summary["quant_tails"]["quantiles"]
-    keys = [k for k in ("fp32_vs_exact", "int8_vs_fp32", "int4_vs_fp32", "int2_vs_fp32", "int8_vs_exact",
-                        "int4_vs_exact", "int2_vs_exact") if k in q]
+    base = ("fp32_vs_exact", "int8_vs_fp32", "int4_vs_fp32", "int2_vs_fp32", "int8_vs_exact", "int4_vs_exact",
+            "int2_vs_exact")
+    adapt = [k for k in q if k.startswith("adapt")]  # adaptive precision, after int4 of the same reference
+    keys = [k for k in base[:4] if k in q] + [k for k in adapt if k.endswith("_vs_fp32")]
+    keys += [k for k in base[4:] if k in q] + [k for k in adapt if k.endswith("_vs_exact")]
     if not keys:
         return
-    fig, ax = plt.subplots(figsize=(10, 3.8))
+    fig, ax = plt.subplots(figsize=(max(10, 1.1 * len(keys)), 3.8))
     stats = ("median", "p95", "p99", "max")
     width = 0.8 / len(stats)
     for i, s in enumerate(stats):
         ax.bar(np.arange(len(keys)) + i * width, [max(q[k][s], 1e-6) for k in keys], width, label=s)
-    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, [k.replace("_", " ") for k in keys], fontsize=8)
+    labels = [k.replace("_vs_", "\nvs ").replace("_", " ") if len(keys) > 7 else k.replace("_", " ") for k in keys]
+    ax.set_xticks(np.arange(len(keys)) + 0.4 - width / 2, labels, fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("|log-mass error| (nats)")
     ax.legend(fontsize=8)

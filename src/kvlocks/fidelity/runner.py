@@ -6,6 +6,7 @@ Output directory:
 - ``summary.json``: config, commit, versions, timings and the aggregates
   (:mod:`kvlocks.fidelity.summary`);
 - ``share_scatter.json``: sampled (exact, estimated) page-mass shares for the share figure;
+- ``adaptive.json`` / ``adaptive.csv``: the adaptive-precision table, when such variants ran;
 - PNG figures (:mod:`kvlocks.fidelity.plots`).
 
 Captures go to ``captures`` (a directory; reused when a file for the same prompt, model and
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlocks.fidelity.adaptive import calibration_ranges
 from kvlocks.fidelity.capture import capture_prompt, load_capture, save_capture
 from kvlocks.fidelity.config import FidelityConfig
 from kvlocks.fidelity.exact import LayerData
@@ -67,6 +69,25 @@ def _indices(asked: tuple[int, ...], total: int, what: str) -> list[int]:
     return list(asked) if asked else list(range(total))
 
 
+def _write_adaptive(out: Path, summary: dict) -> None:
+    """``adaptive.json`` and ``adaptive.csv`` (one row per basis precision) when adaptive variants ran."""
+    import csv
+
+    from kvlocks.fidelity.summary import adaptive_report
+
+    rows = adaptive_report(summary)
+    if not rows:
+        return
+    (out / "adaptive.json").write_text(json.dumps({"config": summary["config"], "commit": summary["commit"],
+                                                   "adaptive": summary["quant_tails"].get("adaptive", {}),
+                                                   "rows": rows}, indent=1))
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with (out / "adaptive.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
 def run_fidelity(config: FidelityConfig, out: Path, *, model=None, tok=None, captures: Path | None = None,
                  progress: bool = True) -> dict:
     """Run ``config`` and write the result files into ``out``; returns the summary dict."""
@@ -107,7 +128,8 @@ def run_fidelity(config: FidelityConfig, out: Path, *, model=None, tok=None, cap
         cal = load_capture(paths["calibration"])
         calib_keys = [cal.keys[i][heads] for i in range(cal.num_layers)]
         res = Resources(page_size=config.page_size, rank=config.rank, loki=LokiCalibration.fit(calib_keys),
-                        global_bases=GlobalBases.fit(calib_keys, config.page_size), seed=config.seed)
+                        global_bases=GlobalBases.fit(calib_keys, config.page_size), seed=config.seed,
+                        calib_norm_ranges=calibration_ranges(calib_keys, config.page_size))
         del cal, calib_keys
         rows, scatter, tails = [], {}, TailStats(config.seed)
         rng = np.random.default_rng(config.seed)
@@ -145,6 +167,7 @@ def run_fidelity(config: FidelityConfig, out: Path, *, model=None, tok=None, cap
     summary = summarize(rows, config=config, prompts=prompts, calib=calib, calib_overlap=overlap, layers=layers,
                         heads=heads, tails=tails, timings=timings, env=env, res=res, head_dim=head_dim)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    _write_adaptive(out, summary)
     plots.plot_all(out)
     timings["total_s"] = time.perf_counter() - t0  # the same dict, now with the plots' time
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlocks.fidelity.adaptive import mixed_bytes
 from kvlocks.fidelity.ladder import bytes_axes, matched_shared_rank
 from kvlocks.fidelity.metrics import distribution
 from kvlocks.fidelity.variants import bytes_per_page, matched_rank, variant
@@ -64,7 +65,12 @@ def _mean(xs) -> float | None:
     return float(np.mean(v)) if v else None
 
 
-def _selectors(rows, config, res, head_dim) -> dict:
+def _adapt_key(v) -> str:
+    """The name :class:`~kvlocks.fidelity.tails.TailStats` keeps an adaptive variant under."""
+    return f"adapt{v.adapt}" + ("" if v.adapt_rule == "prefill" else f"_{v.adapt_rule}")
+
+
+def _selectors(rows, config, res, head_dim, tails: dict | None = None) -> dict:
     sel, scores = defaultdict(list), defaultdict(list)
     for r in rows:
         if r["kind"] == "selection":
@@ -74,7 +80,12 @@ def _selectors(rows, config, res, head_dim) -> dict:
     out = {}
     for name in config.selectors:
         sc = {f: distribution([r.get(f) for r in scores[name] if r.get(f) is not None]) for f in SCORE_FIELDS}
-        entry = {"bytes_per_page": bytes_per_page(variant(name), res, head_dim), "scores": sc, "budgets": {}}
+        v = variant(name)
+        share = None  # adaptive variants: bytes at the measured share of int8 pages
+        if v.adapt is not None and tails:
+            share = tails.get("adaptive", {}).get(_adapt_key(v), {}).get("promoted_share")
+        entry = {"bytes_per_page": bytes_per_page(v, res, head_dim, promoted_share=share), "scores": sc,
+                 "budgets": {}}
         for b in config.budgets:
             rs = sel[(name, b)]
             cov = distribution([r["coverage"] for r in rs])
@@ -161,13 +172,22 @@ def _claims(sel: dict, budgets) -> dict:
                          "locks_max_share", "locks_sum_mass"), cov),
         "precision": pick(("locks_fp32", "locks_fp16", "locks_int8", "locks", "locks_int2", "centroid"),
                           cov + ("lse_mae", "spearman")),
+        "adaptive": pick(("locks_fp32", "locks_int8", "locks",
+                          *(n for n in sel if variant(n).adapt is not None)), cov + ("lse_mae", "spearman")),
     }
 
 
 def summarize(rows, *, config, prompts, calib, calib_overlap, layers, heads, tails, timings, env, res,
               head_dim) -> dict:
     """The ``summary.json`` dict (see the module docstring)."""
-    sel = _selectors(rows, config, res, head_dim)
+    quant_tails = tails.summary()
+    sel = _selectors(rows, config, res, head_dim, quant_tails)
+    for name in sel:
+        v = variant(name)
+        entry = quant_tails.get("adaptive", {}).get(_adapt_key(v)) if v.adapt is not None else None
+        if entry is not None:
+            entry["bytes_per_page"] = mixed_bytes(res.locks_config(v.rank or res.rank), head_dim,
+                                                  entry["promoted_share"])
     return {
         "config": dataclasses.asdict(config), "commit": commit(), "versions": versions(), "env": env,
         "timings": timings, "layers": layers, "kv_heads": heads, "head_dim": head_dim,
@@ -177,5 +197,34 @@ def summarize(rows, *, config, prompts, calib, calib_overlap, layers, heads, tai
         "matched": {"locks_bytes_per_page": sel.get("locks", {}).get("bytes_per_page"),
                     "shared_rank": matched_rank(res, head_dim)},
         "selectors": sel, "bounds": _bounds(rows, config.budgets), "energy": _energy(rows, config, head_dim),
-        "quant_tails": tails.summary(), "claims": _claims(sel, config.budgets),
+        "quant_tails": quant_tails, "claims": _claims(sel, config.budgets),
     }
+
+
+def adaptive_report(summary: dict) -> list[dict]:
+    """One row per basis precision (int8, int4 and each adaptive variant that was run): bytes per
+    page, |log-mass error| quantiles vs fp32 and vs exact, per-page mean-error quantiles, and the
+    selection metrics at every budget. Empty when no adaptive variant was run."""
+    qt, sel = summary["quant_tails"], summary["selectors"]
+    names = [n for n in sel if variant(n).adapt is not None]
+    if not names:
+        return []
+    rows = []
+    for name, key in (("locks_int8", "int8"), ("locks", "int4"), *((n, _adapt_key(variant(n))) for n in names)):
+        ad = qt.get("adaptive", {}).get(key, {})
+        row = {"selector": name, "tails_key": key, "bytes_per_page": sel.get(name, {}).get("bytes_per_page"),
+               "promoted_share": ad.get("promoted_share", 1.0 if key == "int8" else 0.0),
+               "worst1pct_int4_pages_promoted": ad.get("worst1pct_int4_pages_promoted")}
+        for ref in ("fp32", "exact"):
+            for stat, x in qt["quantiles"].get(f"{key}_vs_{ref}", {}).items():
+                row[f"vs_{ref}_{stat}"] = x
+        for stat, x in qt.get("page_quantiles", {}).get(key, {}).items():
+            row[f"page_mean_vs_fp32_{stat}"] = x
+        for b, cell in sel.get(name, {}).get("budgets", {}).items():
+            for f in ("coverage", "coverage_worst_qhead", "carrier_hot", "carrier_of_oracle"):
+                row[f"{f}@{b}"] = cell[f]
+        if name in sel:
+            row["lse_mae"] = sel[name]["scores"]["lse_mae"]["mean"]
+            row["spearman"] = sel[name]["scores"]["spearman"]["mean"]
+        rows.append(row)
+    return rows

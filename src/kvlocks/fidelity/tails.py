@@ -13,9 +13,18 @@ then described by properties known at build time:
 pooled quantiles and, per property, the Spearman correlation with the page's mean error (pooled,
 and the mean over units of the correlation within one layer and prompt) and the share of the
 worst 1 % of pages that fall in the property's most extreme 10 % (10 % by chance).
+
+Adaptive-precision variants (:mod:`kvlocks.fidelity.adaptive`) come in as ``extra``: their
+errors against fp32 and exact, sampled with one generator per variant (seeded by its name) so
+that every other comparison draws exactly the same samples with or without it, and their
+promoted (int8) pages, to report the promoted share and how many of the worst 1 % int4 pages
+they promote. ``page_quantiles`` gives quantiles of the per-page mean error (over query heads
+and steps) for every precision.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import torch
@@ -44,30 +53,45 @@ class TailStats:
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = np.random.default_rng(seed)
+        self.seed = seed
+        self.extra_rng: dict[str, np.random.Generator] = {}  # one per adaptive variant, seeded by its name
+        self.page_mean: dict[str, list[np.ndarray]] = {}  # per-page mean error vs fp32, by precision
+        self.promoted: dict[str, list[np.ndarray]] = {}
         self.samples: dict[str, list[np.ndarray]] = {}
         self.maxima: dict[str, float] = {}
         self.page_err: list[np.ndarray] = []
         self.props: dict[str, list[np.ndarray]] = {p: [] for p in PROPERTIES}
 
-    def _keep(self, key: str, err: torch.Tensor) -> dict:
+    def _keep(self, key: str, err: torch.Tensor, rng: np.random.Generator | None = None) -> dict:
         x = err.flatten().numpy()
-        idx = self.rng.choice(x.size, size=min(_SAMPLE, x.size), replace=False)
+        idx = (rng or self.rng).choice(x.size, size=min(_SAMPLE, x.size), replace=False)
         self.samples.setdefault(key, []).append(x[idx])
         self.maxima[key] = max(self.maxima.get(key, 0.0), float(x.max()))
         return quantiles(x)
 
     def add(self, exact_lse: torch.Tensor, unq: torch.Tensor, quantized: dict[int, torch.Tensor],
-            props: dict[str, torch.Tensor], tail_bits: int = 4) -> dict:
-        """One unit: scores ``[H, Q, G, P]``; props ``[H, P]``. Returns the unit's quantiles."""
+            props: dict[str, torch.Tensor], tail_bits: int = 4,
+            extra: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
+        """One unit: scores ``[H, Q, G, P]``; props ``[H, P]``; extra: name -> (scores, promoted
+        bool ``[H, P]``). Returns the unit's quantiles."""
         row = {"fp32_vs_exact": self._keep("fp32_vs_exact", (unq - exact_lse).abs())}
         for bits, s in sorted(quantized.items(), reverse=True):
             row[f"int{bits}_vs_fp32"] = self._keep(f"int{bits}_vs_fp32", (s - unq).abs())
             row[f"int{bits}_vs_exact"] = self._keep(f"int{bits}_vs_exact", (s - exact_lse).abs())
+        for name, (s, _) in (extra or {}).items():
+            rng = self.extra_rng.setdefault(name, np.random.default_rng([self.seed, zlib.crc32(name.encode())]))
+            row[f"{name}_vs_fp32"] = self._keep(f"{name}_vs_fp32", (s - unq).abs(), rng)
+            row[f"{name}_vs_exact"] = self._keep(f"{name}_vs_exact", (s - exact_lse).abs(), rng)
         if tail_bits in quantized:
             err = (quantized[tail_bits] - unq).abs().mean(dim=(1, 2))  # [H, P]
             self.page_err.append(err.flatten().numpy())
             for p in PROPERTIES:
                 self.props[p].append(props[p].flatten().numpy())
+            per_page = {f"int{b}": s for b, s in quantized.items()} | {n: s for n, (s, _) in (extra or {}).items()}
+            for name, s in per_page.items():
+                self.page_mean.setdefault(name, []).append((s - unq).abs().mean(dim=(1, 2)).flatten().numpy())
+            for name, (_, flags) in (extra or {}).items():
+                self.promoted.setdefault(name, []).append(flags.flatten().numpy())
         return row
 
     def summary(self, tail_bits: int = 4) -> dict:
@@ -84,6 +108,12 @@ class TailStats:
         err = np.concatenate(self.page_err)
         worst = err >= np.percentile(err, 99)
         out["pages"] = int(err.size)
+        out["page_quantiles"] = {k: quantiles(np.concatenate(v)) for k, v in self.page_mean.items()}
+        out["adaptive"] = {}
+        for name, parts in self.promoted.items():
+            flags = np.concatenate(parts)
+            out["adaptive"][name] = {"promoted_share": float(flags.mean()),
+                                     "worst1pct_int4_pages_promoted": float(flags[worst].mean())}
         for p in PROPERTIES:
             x = np.concatenate(self.props[p])
             rho = float(spearmanr(x, err).statistic)

@@ -17,6 +17,10 @@ locks_max_share/_sum    the same scores with the other combine rules
 locks_fp32              unquantized summaries (float32 spectral basis): Theorem 1's setting
 locks_fp16/int8/int2    basis at float16 / int8 / int2 (coefficients int8; fp16: float16)
 locks_r<R>_b<B>         rank R, basis bits B in (2, 4, 8, 16, 32), ``mean_share``
+locks_adapt<PCT>[_rule] int8 basis on pages whose key-norm range is above the PCT-th percentile
+                        of their (layer, KV head), int4 elsewhere; rule prefill (default),
+                        causal, calib (one model-wide threshold from the calibration prose) or
+                        random (:mod:`kvlocks.fidelity.adaptive`); not in the defaults
 quest                   min/max envelope at matched bytes (float16, one envelope per page)
 centroid                page mean key only (float16)
 loki                    global calibrated PCA (uncentred), rank matched to LOCKS's bytes
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.fidelity import scopes
+from kvlocks.fidelity import adaptive, scopes
 from kvlocks.scoring.reference import summary_logits
 from kvlocks.selection import (
     CentroidSelector, LayerView, QuestSelector, RandomSelector, StreamingSelector, locks_page_bytes,
@@ -53,6 +57,7 @@ _FIXED = {"quest", "centroid", "loki", "shadowkv", "global", "streaming", "rando
 _LOCKS_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4, "int2": 2}
 _LOCKS = re.compile(r"^locks(?:_r(\d+))?(?:_b(2|4|8|16|32)|_(fp32|fp16|int8|int4|int2))?"
                     r"(?:_(mean_share|max_share|sum_mass))?$")
+_ADAPT = re.compile(r"^locks_adapt(\d+)(?:_(causal|calib|random))?(?:_(mean_share|max_share|sum_mass))?$")
 _ORACLE = re.compile(r"^oracle(?:_(mean_share|max_share|sum_mass))?$")
 
 
@@ -63,6 +68,8 @@ class Variant:
     family : "oracle", "locks", or a baseline name
     combine : GQA combine rule (ignored when ``per_head``)
     rank, bits : LOCKS summary rank (None = the run's rank) and basis bits
+    adapt, adapt_rule : adaptive precision: the percentile (1-99) of the page key-norm ranges
+        above which the basis is int8 (``bits`` = 4 elsewhere), and the threshold rule
     """
 
     name: str
@@ -71,6 +78,8 @@ class Variant:
     per_head: bool = False
     rank: int | None = None
     bits: int = 4
+    adapt: int | None = None
+    adapt_rule: str = "prefill"
 
     @property
     def estimates_lse(self) -> bool:
@@ -90,6 +99,13 @@ def variant(name: str) -> Variant:
     m = _ORACLE.match(name)
     if m:
         return Variant(name=name, family="oracle", combine=m.group(1) or "mean_share")
+    m = _ADAPT.match(name)
+    if m:
+        pct = int(m.group(1))
+        if not 1 <= pct <= 99:
+            raise ValueError(f"selector {name!r}: the adaptive percentile must be in 1..99, got {pct}")
+        return Variant(name=name, family="locks", combine=m.group(3) or "mean_share", adapt=pct,
+                       adapt_rule=m.group(2) or "prefill")
     m = _LOCKS.match(name)
     if m:
         rank = None if m.group(1) is None else int(m.group(1))
@@ -99,7 +115,8 @@ def variant(name: str) -> Variant:
         return Variant(name=name, family="locks", combine=m.group(4) or "mean_share", rank=rank, bits=bits)
     raise ValueError(f"unknown selector {name!r}; allowed {sorted(_FIXED | {'oracle', 'locks'})}, "
                      "oracle_<combine>, locks_<fp32|fp16|int8|int4|int2>[_<combine>], "
-                     f"locks_r<R>_b<2|4|8|16|32>[_<combine>] with combine in {COMBINES}")
+                     f"locks_r<R>_b<2|4|8|16|32>[_<combine>], locks_adapt<1..99>[_causal|_calib|_random][_<combine>] "
+                     f"with combine in {COMBINES}")
 
 
 def check_variant(name: str) -> None:
@@ -113,7 +130,9 @@ class Resources:
     page_size, rank : the LOCKS configuration measured
     loki : :class:`~kvlocks.selection.LokiCalibration` for the measured KV heads (or None)
     global_bases : :class:`~kvlocks.fidelity.scopes.GlobalBases` (or None)
-    seed : for ``random``
+    seed : for ``random`` (and the ``random`` adaptive rule)
+    calib_norm_ranges : float32 ``[pages]``, the calibration prose's page key-norm ranges pooled
+        over layers and KV heads, for the ``calib`` adaptive rule (or None)
     """
 
     page_size: int
@@ -121,6 +140,7 @@ class Resources:
     loki: object = None
     global_bases: object = None
     seed: int = 0
+    calib_norm_ranges: object = None
 
     def locks_config(self, rank: int | None = None, basis_bits: int = 4, coef_bits: int = 8) -> LocksConfig:
         return LocksConfig(page_size=self.page_size, rank=rank or self.rank, budget=2 * self.page_size,
@@ -129,20 +149,28 @@ class Resources:
 
 @dataclass(frozen=True, eq=False)
 class Estimate:
-    """scores float32 ``[H, Q, G, P]``; logits float32 ``[H, Q, G, P, S]`` or None."""
+    """scores float32 ``[H, Q, G, P]``; logits float32 ``[H, Q, G, P, S]`` or None;
+    promoted bool ``[H, P]`` (adaptive variants: pages with an int8 basis) or None."""
 
     scores: torch.Tensor
     logits: torch.Tensor | None = None
+    promoted: torch.Tensor | None = None
 
 
-def bytes_per_page(v: Variant, res: Resources, head_dim: int, elem_size: int = 2) -> int | None:
+def bytes_per_page(v: Variant, res: Resources, head_dim: int, elem_size: int = 2,
+                   promoted_share: float | None = None) -> int | float | None:
     """Resident summary bytes per page and KV head (payload + scales); None: reads the keys.
 
     ``elem_size``: bytes of a key element, for selectors stored in the key dtype.
+    ``promoted_share``: adaptive variants only, the measured share of int8 pages (default: the
+    nominal ``1 - adapt / 100``); their bytes are a mean over pages and include the flag byte.
     """
     cfg = res.locks_config()
     if v.family == "oracle":
         return None
+    if v.adapt is not None:
+        share = 1 - v.adapt / 100 if promoted_share is None else promoted_share
+        return adaptive.mixed_bytes(res.locks_config(v.rank or res.rank), head_dim, share)["total"]
     if v.family == "locks":
         r = v.rank or res.rank
         if v.bits == 32:  # float32 basis, coefficients and centroid, no scales
@@ -165,6 +193,13 @@ def matched_rank(res: Resources, head_dim: int) -> int:
 def _locks(v: Variant, data, res: Resources) -> Estimate:
     q = data.flat_queries  # [H, M, D], M = Q*G
     rank = v.rank or res.rank
+    if v.adapt is not None:
+        promoted = adaptive.promote(data.pages, v.adapt / 100, v.adapt_rule, seed=res.seed * 100_003 + data.layer,
+                                    calib=res.calib_norm_ranges)
+        summ = adaptive.build_adaptive(data.pages, res.locks_config(rank), promoted)
+        logits = data.unflatten(scopes.page_local_logits(q, summ.centroid_float(), summ.basis_float(),
+                                                         summ.coef_float(), data.scale))  # [H, Q, G, P, S]
+        return Estimate(scores=torch.logsumexp(logits, dim=-1), logits=logits, promoted=promoted)
     if v.bits == 32:
         mu, basis, coef, _, _ = spectral_basis(data.pages, rank)
         logits = scopes.page_local_logits(q, mu, basis, coef, data.scale)
