@@ -15,35 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from kvlocks.bench.kernels import SHAPES
 from kvlocks.selection.triton import CHUNK, select_pages_paged, select_workspace
 
-
-def _time(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    ts = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(ts)
+sys.path.insert(0, str(Path(__file__).parent))
+from score_probe import _time  # noqa: E402  (CUDA-graph timing of one launch, shared)
 
 
 def main() -> None:
@@ -75,7 +56,7 @@ def main() -> None:
                 if ref is None:
                     ref = got
                 row = {"shape": shape, "batch": bsz, "tokens": args.tokens, "chunk": ws["chunk"],
-                       "n_chunks": ws["n_chunks"], "us": _time(fn, args.reps),
+                       "n_chunks": ws["n_chunks"], "us": _time(fn, n_graph=args.reps),
                        "same_as_default": bool(torch.equal(got, ref))}
                 print(json.dumps(row), flush=True)
                 with open(args.out, "a") as f:
