@@ -24,3 +24,27 @@ def test_bad_arguments_give_clear_errors(capsys):
     assert "budget=40" in capsys.readouterr().err
     assert main(["generate", "--prompt", "   "]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+def _bench_args(argv):
+    import argparse
+
+    from kvlocks.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    return bench, parser.parse_args(["bench", *argv])
+
+
+def test_bench_options_build_configs():
+    bench, args = _bench_args(["e2e", "--out", "x", "--contexts", "16K,1M", "--no-compile"])
+    cfg = bench._e2e_config(args)
+    assert cfg.contexts == (16384, 1 << 20) and cfg.compile is False
+    bench, args = _bench_args(["e2e", "--out", "x"])
+    assert bench._e2e_config(args).compile is True  # compiled step for dense and LOCKS by default
+    bench, args = _bench_args(["kernels", "--out", "x", "--shapes", "glm4-9b-1m", "--contexts", "256K", "--batches", "1,4"])
+    kcfg = bench._kernels_config(args)
+    assert kcfg.shapes == ("glm4-9b-1m",) and kcfg.contexts == (262144,) and kcfg.batches == (1, 4)
+    bench, args = _bench_args(["kernels", "--out", "x", "--shapes", "gpt2"])
+    with pytest.raises(ValueError, match="gpt2"):
+        bench._kernels_config(args)

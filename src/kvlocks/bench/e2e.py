@@ -66,7 +66,7 @@ class E2EBenchConfig(ConfigIO):
     prefill_chunk: int = 8192
     reserve_gib: float = 3.0
     dtype: str = "bfloat16"
-    compile: bool = False
+    compile: bool = True  # torch.compile of the step's per-layer pieces, dense and LOCKS alike
     seed: int = 0
     model_overrides: dict = field(default_factory=dict)
 

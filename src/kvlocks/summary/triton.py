@@ -9,11 +9,11 @@
    tournament (partner(i) = (2t - i) mod (S-1), with S-1 meeting t), the rotations applied as
    ``A <- J^T A J`` and ``V <- V J`` through ``tl.gather`` of the partner rows/columns; a sweep is
    S-1 steps and meets every pair once. Three variants (``ROTATIONS``, same rotations, results
-   equal up to float32 rounding): ``gathers`` (the default, measured on the H200: 2.45 s for
-   llama3-8b at 1M), ``lean`` (diagonal tracked in closed form, one reduction per step: 284
-   instead of 468 SASS instructions per thread per step for sm_90, not yet timed on a GPU) and
-   ``dots`` (rotations as tf32x3 batched dots: 733 instructions); ``scripts/device/build_probe.py``
-   times them;
+   equal up to float32 rounding): ``lean`` (the default: diagonal tracked in closed form, one
+   reduction per step, 284 SASS instructions per thread per step for sm_90), ``gathers`` (four
+   masked reductions per step, 468) and ``dots`` (rotations as tf32x3 batched dots, 733). H200,
+   whole model at 1M (``scripts/device/build_probe.py``): lean 1.76 s (llama3-8b) / 1.11 s
+   (glm4-9b-1m) at 2 items x 2 warps per program, gathers 2.51 / 1.57 s, dots 2.29 / 1.44 s;
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
@@ -239,10 +239,12 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
 
 # Bulk builds on CUDA tune items per program and warps once per shape (the kernel rewrites its
 # outputs, so re-running it while tuning is harmless); incremental builds keep a fixed launch.
-_BUILD_CONFIGS = [triton.Config({"BP": bp}, num_warps=w) for bp, w in ((2, 2), (2, 4), (4, 4), (4, 8), (8, 8))]
+# Fewer items and warps per program won for the lean rotations on the H200 (2 x 2: 55 ms per llama3-8b
+# layer at 1M, 4 x 4: 63, 8 x 8: 91).
+_BUILD_CONFIGS = [triton.Config({"BP": bp}, num_warps=w) for bp, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4))]
 _build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE_EIG", "ROT"])(_build_kernel)
 ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2}  # how Jacobi rotates: _jacobi_gathers / _dots / _lean
-ROTATION = "gathers"
+ROTATION = "lean"
 
 
 def _rot(rotation: str | None) -> int:
