@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvlocks.bench.kernels import SHAPES
-from kvlocks.selection.triton import CHUNK, select_pages_paged, select_workspace
+from kvlocks.selection.triton import default_chunk, select_pages_paged, select_workspace
 
 sys.path.insert(0, str(Path(__file__).parent))
 from score_probe import _time  # noqa: E402  (CUDA-graph timing of one launch, shared)
@@ -46,7 +46,8 @@ def main() -> None:
             ranking = torch.randn(bsz, hkv, pages + 8, generator=gen, device=dev)
             seq = torch.full((bsz,), args.tokens, dtype=torch.int32, device=dev)
             ref = None
-            for chunk in [CHUNK] + [int(c) for c in args.chunks.split(",") if int(c) != CHUNK]:
+            first = default_chunk(pages + 8)
+            for chunk in [first] + [int(c) for c in args.chunks.split(",") if int(c) != first]:
                 ws = select_workspace(bsz, hkv, pages + 8, args.k, dev, chunk=chunk)
 
                 def fn():

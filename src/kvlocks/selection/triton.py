@@ -21,8 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 4096  # pages per stage-1 program (1M tokens at S=16: 16 programs per row); H200, 1M tokens:
-# 37.5 / 43.7 us at batch 1 (glm4 / llama3 shapes) vs 44.5 / 48.1 at 2048 (scripts/device/select_probe.py)
+
+def default_chunk(max_pages: int) -> int:
+    """Pages per stage-1 program: an eighth of the row rounded down to a power of two, clamped to
+    1024 to 4096. Measured on the H200
+    (``scripts/device/select_probe.py``, glm4-9b-1m shape, batch 1; llama3-8b alike): 64K tokens
+    best at 1024 (13.6 us; 2048: 15.0, 4096: 20.2), 256K at 2048 (20.3; 1024: 26.6, 4096: 23.5),
+    1M at 4096 (37.5; 2048: 44.5, 8192: 45.2). Fewer, longer chunks serialise the radix passes;
+    more chunks grow the merge (chunks x winners keys in one program)."""
+    eighth = max(max_pages // 8, 1)
+    return min(4096, max(1024, 1 << (eighth.bit_length() - 1)))
 
 
 @triton.jit
@@ -167,8 +175,9 @@ def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv
         tl.store(out + below_r + _below(rp, s_lo, s_hi, r_lo, total), rp, mask=rp_ok)
 
 
-def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int = CHUNK) -> dict:
-    """Buffers for :func:`select_pages_paged`, allocated once per plan."""
+def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
+    """Buffers for :func:`select_pages_paged`, allocated once per plan; ``chunk`` None = :func:`default_chunk`."""
+    chunk = default_chunk(max_pages) if chunk is None else chunk
     chunk = min(chunk, max(16, triton.next_power_of_2(max_pages)))
     n_chunks = max(1, -(-max_pages // chunk))
     m = triton.next_power_of_2(max(k, 1))
