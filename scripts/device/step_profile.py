@@ -48,9 +48,9 @@ def classify(name: str) -> str:
     return "other"
 
 
-def profile_method(parts, cache, method, steps, context, bw_gbps):
+def profile_method(parts, cache, method, steps, context, bw_gbps, compile=False):
     cache.set_length(context)
-    step = DecodeStep(parts, cache, method=method, backend="triton")
+    step = DecodeStep(parts, cache, method=method, backend="triton", compile=compile)
     runner = StepRunner(step, use_graph=True)
     tpot = statistics.median(_time_steps(runner, cache.k.device, 32, 4))
     cache.set_length(context)
@@ -75,7 +75,7 @@ def profile_method(parts, cache, method, steps, context, bw_gbps):
     total = sum(per_cls.values())
     top = sorted(((n, t, c // steps) for n, (t, c) in per_kernel.items()), key=lambda x: -x[1])[:25]
     row = {
-        "method": method, "context": context, "tpot_ms": tpot, "kernel_sum_ms": total / 1e3,
+        "method": method, "compiled": compile, "context": context, "tpot_ms": tpot, "kernel_sum_ms": total / 1e3,
         "idle_ms": tpot - total / 1e3, "classes_ms": {k: v / 1e3 for k, v in sorted(per_cls.items())},
         "bytes": nbytes, "copy_gbps": bw_gbps,
         "weights_pct_copy": (100 * nbytes["weight_bytes"] / (per_cls["weights_gemm"] * 1e-6) / 1e9 / bw_gbps
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=262144)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--methods", default="dense,locks")
+    ap.add_argument("--compile", action="store_true", help="the step's per-layer pieces through torch.compile")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -104,7 +105,7 @@ def main() -> None:
                              device=dev)
     cache.random_fill(args.context, generator=torch.Generator(device=dev).manual_seed(0))
     cache.build(backend="triton")
-    rows = [profile_method(parts, cache, m, args.steps, args.context, bw) for m in args.methods.split(",")]
+    rows = [profile_method(parts, cache, m, args.steps, args.context, bw, args.compile) for m in args.methods.split(",")]
     out = {"model": args.model, "context": args.context, "device": torch.cuda.get_device_name(dev),
            "torch": torch.__version__, "rows": rows}
     with open(args.out, "w") as f:
