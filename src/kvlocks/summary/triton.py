@@ -12,8 +12,9 @@
    equal up to float32 rounding): ``lean`` (the default: diagonal tracked in closed form, one
    reduction per step, 284 SASS instructions per thread per step for sm_90), ``gathers`` (four
    masked reductions per step, 468) and ``dots`` (rotations as tf32x3 batched dots, 733). H200,
-   whole model at 1M (``scripts/device/build_probe.py``): lean 1.76 s (llama3-8b) / 1.11 s
-   (glm4-9b-1m) at 2 items x 2 warps per program, gathers 2.51 / 1.57 s, dots 2.29 / 1.44 s;
+   whole model at 1M (``scripts/device/build_probe.py``): lean 1.18 s (llama3-8b) / 0.75 s
+   (glm4-9b-1m) at 1 item x 1 warp per program (the autotuner's pick), 1.76 / 1.11 s at 2 x 2;
+   gathers 2.51 / 1.57 s, dots 2.29 / 1.44 s at 4 x 4;
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
@@ -239,8 +240,8 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
 
 # Bulk builds on CUDA tune items per program and warps once per shape (the kernel rewrites its
 # outputs, so re-running it while tuning is harmless); incremental builds keep a fixed launch.
-# Fewer items and warps per program won for the lean rotations on the H200 (2 x 2: 55 ms per llama3-8b
-# layer at 1M, 4 x 4: 63, 8 x 8: 91).
+# Fewer items and warps per program won for the lean rotations on the H200 (per llama3-8b layer at 1M:
+# 1 x 1: 37 ms, 2 x 2: 55, 4 x 4: 63, 8 x 8: 91).
 _BUILD_CONFIGS = [triton.Config({"BP": bp}, num_warps=w) for bp, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4))]
 _build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE_EIG", "ROT"])(_build_kernel)
 ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2}  # how Jacobi rotates: _jacobi_gathers / _dots / _lean
