@@ -26,6 +26,11 @@ def _ints(text: str) -> tuple[int, ...]:
         raise ValueError(f"{text!r}: expected comma-separated integers") from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """``"a, b"`` -> ``("a", "b")``."""
+    return tuple(x.strip() for x in text.split(","))
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that write result files")
     p.add_argument("what", choices=("kernels", "e2e"), help="which benchmark")
@@ -54,8 +59,8 @@ def _e2e_config(args):
     from kvlocks.bench.e2e import E2EBenchConfig
 
     kw = {}
-    conv = {"models": lambda t: tuple(x.strip() for x in t.split(",")), "contexts": _sizes, "batches": _ints,
-            "batch_context": lambda t: _sizes(t)[0], "methods": lambda t: tuple(x.strip() for x in t.split(",")),
+    conv = {"models": _names, "contexts": _sizes, "batches": _ints,
+            "batch_context": lambda t: _sizes(t)[0], "methods": _names,
             "budget": int, "steps": int, "warmup": int, "max_prefill": lambda t: _sizes(t)[0], "compile": bool}
     for name, fn in conv.items():
         value = getattr(args, name, None)
@@ -69,7 +74,7 @@ def _kernels_config(args):
 
     kw = {}
     if args.shapes:
-        kw["shapes"] = tuple(x.strip() for x in args.shapes.split(","))
+        kw["shapes"] = _names(args.shapes)
     if args.contexts:
         kw["contexts"] = _sizes(args.contexts)
     if args.batches:

@@ -45,6 +45,7 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.summary import PageSummaries, build_summaries
+from kvlocks.summary.types import summary_bytes as _page_bytes
 
 RULES = ("prefill", "causal", "calib", "random")
 LOW_BITS, HIGH_BITS = 4, 8
@@ -105,10 +106,7 @@ def promote(pages: torch.Tensor, q: float, rule: str = "prefill", seed: int = 0,
 
 def summary_bytes(config: LocksConfig, head_dim: int, basis_bits: int) -> tuple[int, int]:
     """``(payload, scales)`` of one page at ``basis_bits`` (= ``PageSummaries.bytes_per_page``)."""
-    s, r, d, c = config.page_size, config.rank, head_dim, config.coef_bits
-    payload = (d * r * basis_bits) // 8 + (s * r * c) // 8 + (d * c) // 8
-    scales = (2 * r if basis_bits != 16 else 0) + (2 * (s + 1) if c != 16 else 0)
-    return payload, scales
+    return _page_bytes(config.page_size, config.rank, head_dim, basis_bits, config.coef_bits)
 
 
 def mixed_bytes(config: LocksConfig, head_dim: int, promoted_share: float) -> dict[str, float]:

@@ -9,6 +9,16 @@ import torch
 from kvlocks.summary.quant import unpack_bits
 
 
+def summary_bytes(page_size: int, rank: int, head_dim: int, basis_bits: int, coef_bits: int) -> tuple[int, int]:
+    """``(payload, scales)`` bytes of one page's summary for one KV head: basis ``D x R`` at
+    ``basis_bits``, coefficients ``S x R`` and centroid ``D`` at ``coef_bits``; float16 scales per
+    basis row, per coefficient row and for the centroid unless that part is float16 itself."""
+    s, r, d = page_size, rank, head_dim
+    payload = (d * r * basis_bits) // 8 + (s * r * coef_bits) // 8 + (d * coef_bits) // 8
+    scales = (2 * r if basis_bits != 16 else 0) + (2 * (s + 1) if coef_bits != 16 else 0)
+    return payload, scales
+
+
 @dataclass
 class PageSummaries:
     """LOCKS summaries of full pages, for any leading dims ``...`` (e.g. ``[Hkv]`` or ``[B, Hkv]``).
@@ -101,14 +111,7 @@ class PageSummaries:
         At D=128, S=16, R=8 with int4 basis and int8 coefficients: payload 512 + 128 + 128 = 768,
         scales 2 * (8 + 16 + 1) = 50 (float16).
         """
-        s, r, d = self.page_size, self.rank, self.head_dim
-        payload = (d * r * self.basis_bits) // 8 + (s * r * self.coef_bits) // 8 + (d * self.coef_bits) // 8
-        scales = 0
-        if self.basis_bits != 16:
-            scales += 2 * r
-        if self.coef_bits != 16:
-            scales += 2 * (s + 1)
-        return payload, scales
+        return summary_bytes(self.page_size, self.rank, self.head_dim, self.basis_bits, self.coef_bits)
 
     def _map(self, fn) -> "PageSummaries":
         kw = {f: (None if getattr(self, f) is None else fn(f, getattr(self, f))) for f in self._PAGE_AXIS}

@@ -37,6 +37,7 @@ import torch
 from kvlocks.cache.layout import PagedSummaries, check_kernel_config
 from kvlocks.config import LocksConfig
 from kvlocks.summary.build import build_summaries
+from kvlocks.summary.types import summary_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,8 @@ TAG_BYTES_PER_PAGE = 8 + 8 + 4  # write_gen int64, built_gen int64, built_page i
 def summary_bytes_per_token(config: LocksConfig, num_kv_heads: int, head_dim: int) -> float:
     """Summary + tag bytes per cached token per layer (compare: K+V bytes per token per layer
     ``2 * Hkv * D * dtype_size``)."""
-    s, r, d = config.page_size, config.rank, head_dim
-    per_page_head = r * d // 2 + 2 * r + s * r + 2 * s + d + 2  # int4 basis, int8 coef/centroid, fp16 scales
-    return (num_kv_heads * per_page_head + TAG_BYTES_PER_PAGE) / s
+    per_page_head = sum(summary_bytes(config.page_size, config.rank, head_dim, 4, 8))  # the store's int4/int8
+    return (num_kv_heads * per_page_head + TAG_BYTES_PER_PAGE) / config.page_size
 
 
 class BlockSummaryStore:
