@@ -1,0 +1,113 @@
+"""CUDA score kernel probe (issue 5): correctness against the torch reference, then speed at 1M.
+
+``--check``: :mod:`kvlocks.scoring.cuda_mma` against the torch backend for D 64/128, G 1-16,
+float16/bfloat16 queries, a partial last page, queries far outside float16's range and logits
+large enough to take the kernel's exact (max-subtracted) path. ``--time``: at ``--tokens`` (batch 1)
+for both benchmark shapes, the CUDA kernel (warps per block 2/4/8), the Triton packed kernel (the
+previous default) and the load-only kernel of ``score_probe.py``, graph-replayed, against the
+copy bandwidth measured in the same run. JSON lines to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from kvlocks.bench.kernels import SHAPES, _random_store, copy_bandwidth
+from kvlocks.config import LocksConfig
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from score_probe import _case, _load_launch, _time, store_bytes  # noqa: E402
+
+
+def _err(got, exp, seq, s=16):
+    worst = 0.0
+    for b in range(len(seq)):
+        pc = int(seq[b]) // s
+        for name, x, y in zip(("scores", "lse", "ranking"), got, exp):
+            xb, yb = (x[b], y[b]) if name == "lse" else (x[b, ..., :pc], y[b, ..., :pc])
+            if xb.numel():
+                scale = max(1.0, float(yb.abs().max()))
+                worst = max(worst, float((xb - yb).abs().max()) / scale)
+    return worst
+
+
+def check() -> int:
+    from kvlocks.dispatch import score_pages
+    from kvlocks.scoring import cuda_mma
+
+    dev = torch.device("cuda")
+    print("library:", cuda_mma.unavailable_reason(dev) or "ok", flush=True)
+    fails = 0
+    for d in (64, 128):
+        for g in (1, 2, 3, 4, 8, 12, 16):
+            for dt in (torch.bfloat16, torch.float16):
+                for factor, scale in ((1.0, None), (1e4, 1e-4), (1e-6, 1e6), (40.0, None)):
+                    gen = torch.Generator(device=dev).manual_seed(g * 100 + d)
+                    hkv, pc = 3, 77
+                    store = _random_store(pc * 2 + 5, hkv, d, LocksConfig(page_size=16, budget=256), dev, gen)
+                    table = torch.randperm(pc * 2 + 5, generator=gen, device=dev)[: 2 * pc].to(torch.int32).view(2, pc)
+                    seq = torch.tensor([pc * 16, 16 * 23 + 5], dtype=torch.int32, device=dev)
+                    q = (torch.empty(2, hkv * g, d, device=dev).normal_(generator=gen) * factor).to(dt)
+                    exp = score_pages(q, store, table, seq, backend="torch", scale=scale)
+                    got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale)
+                    err = _err(got, exp, seq)
+                    ok = err <= 1e-4
+                    fails += not ok
+                    print(f"{'ok  ' if ok else 'FAIL'} d={d} g={g} {dt} q*{factor:g}: rel err {err:.2e}", flush=True)
+    print("FAILURES:", fails)
+    return fails
+
+
+def time_shapes(tokens: int, out: str) -> None:
+    from kvlocks.scoring import cuda_mma
+    from kvlocks.scoring import triton as st
+
+    dev = torch.device("cuda")
+    copy = copy_bandwidth(dev)
+    for shape in ("llama3-8b", "glm4-9b-1m"):
+        store, table, q, seq = _case(shape, tokens, dev)
+        hkv, g, d = SHAPES[shape][:3]
+        pc = tokens // 16
+        nbytes = store_bytes(store)
+
+        def emit(**r):
+            r.update(shape=shape, tokens=tokens, bytes=nbytes, copy_gbps=copy)
+            r["gbps"] = nbytes / (r["us"] * 1e-6) / 1e9
+            r["pct_copy"] = 100 * r["gbps"] / copy
+            print(json.dumps(r), flush=True)
+            with open(out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
+        ws_t = st.score_workspace(1, hkv, g, pc, dev)
+        ws_t["kernel"] = "packed"
+        ref = [x.clone() for x in st.score_pages_paged(q, store, table, seq, workspace=ws_t)]
+        emit(name="triton_packed", us=_time(lambda: st.score_pages_paged(q, store, table, seq, workspace=ws_t)))
+        for warps in (4, 2, 8):
+            ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
+            ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=ppp)
+            fn = lambda ws=ws, warps=warps: cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps)  # noqa: E731
+            got = fn()
+            errs = [float((x[..., :pc] - y[..., :pc]).abs().max()) for x, y in zip(got, ref)]
+            emit(name="cuda_mma", warps=warps, ppp=ppp, us=_time(fn), max_err_vs_triton=errs)
+        emit(name="load_only", us=_time(lambda: _load_launch(store, table[0], hkv, pc, 16, 4, 512)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--tokens", type=int, default=1 << 20)
+    ap.add_argument("--out", default="mma_probe.jsonl")
+    args = ap.parse_args()
+    fails = check() if args.check else 0
+    if args.time:
+        time_shapes(args.tokens, args.out)
+    sys.exit(1 if fails else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Compile a CUDA source shipped with kvlocks into a shared library with nvcc, once, and load it.
+
+The library is cached under ``$KVLOCKS_CACHE`` (default ``~/.cache/kvlocks``) in ``cuda/``, named
+by a hash of the source, the flags, the nvcc version and the GPU architecture, so an edited source
+or another GPU compiles afresh. nvcc is ``$KVLOCKS_NVCC``, else the one on ``PATH``, else
+``$CUDA_HOME/bin/nvcc`` or ``/usr/local/cuda/bin/nvcc``. The CUDA runtime is linked statically
+(nvcc's default), so the library needs only the driver that torch already uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+
+
+class NvccUnavailable(RuntimeError):
+    """No nvcc, or the source did not compile: the caller falls back to another kernel."""
+
+
+def find_nvcc() -> str | None:
+    env = os.environ.get("KVLOCKS_NVCC")
+    if env:
+        return env
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVLOCKS_CACHE", Path.home() / ".cache" / "kvlocks")) / "cuda"
+
+
+@lru_cache(maxsize=None)
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def compile_library(source: Path, arch: str) -> Path:
+    """``source`` (a .cu file) -> path of the compiled ``.so`` for ``arch`` (e.g. ``"sm_90"``)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise NvccUnavailable("nvcc not found: set KVLOCKS_NVCC or CUDA_HOME, or put nvcc on PATH")
+    text = source.read_bytes()
+    key = hashlib.sha256(text + repr((FLAGS, arch)).encode() + _nvcc_version(nvcc).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{arch}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [nvcc, *FLAGS, f"-arch={arch}", str(source), "-o", str(tmp_out)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise NvccUnavailable(f"nvcc failed on {source.name} ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent compile of the same key writes the same bytes
+    return out
+
+
+@lru_cache(maxsize=None)
+def load_library(source: str, arch: str) -> ctypes.CDLL:
+    """Compile (if not cached) and load; raises :class:`NvccUnavailable` when that is impossible."""
+    return ctypes.CDLL(str(compile_library(Path(source), arch)))

@@ -1,0 +1,130 @@
+"""Page scoring (Eq. 4) in CUDA with hand-placed tensor-core fragments (``score_mma.cu``).
+
+Same contract as :func:`kvlocks.scoring.triton.score_pages_paged` (which dispatches here on CUDA
+when :func:`supports` says so): it writes the workspace's per-head scores and per-program
+statistics, then the same Triton combine kernel turns them into the ranking. How the kernel works
+is described at the top of ``score_mma.cu``; measurements are in ``docs/benchmarks.md``.
+
+The source is compiled by nvcc at first use on a GPU and cached (:mod:`kvlocks._nvcc`); where nvcc
+is missing or the compile fails, :func:`available` is False (with the reason in
+:func:`unavailable_reason`) and the Triton kernels run instead. The launch is asynchronous on the
+current stream with no host synchronisation, so it is captured by CUDA graphs like the Triton
+kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from pathlib import Path
+
+import torch
+
+from kvlocks._nvcc import NvccUnavailable, load_library
+from kvlocks.cache.layout import PagedSummaries
+
+SOURCE = Path(__file__).with_name("score_mma.cu")
+HEAD_DIMS = (64, 128)
+WARPS = 4
+TILE = 16  # pages per warp iteration: pages per program are a multiple of it
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+_state: dict = {}
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def _library(device) -> ctypes.CDLL:
+    lib = load_library(str(SOURCE), _arch(torch.device(device)))
+    if not hasattr(lib, "_kvlocks_typed"):
+        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
+                                          i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, vp]
+        lib.kvlocks_score_mma.restype = i32
+        lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32]
+        lib.kvlocks_score_mma_blocks_per_sm.restype = i32
+        lib.kvlocks_error_string.argtypes = [i32]
+        lib.kvlocks_error_string.restype = ctypes.c_char_p
+        lib._kvlocks_typed = True
+    return lib
+
+
+def available(device) -> bool:
+    """Whether the kernel is compiled and loadable for this CUDA device (compiles it on first call)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    key = _arch(device)
+    if key not in _state:
+        try:
+            _library(device)
+            _state[key] = None
+        except (NvccUnavailable, OSError) as exc:
+            _state[key] = str(exc)
+    return _state[key] is None
+
+
+def unavailable_reason(device) -> str | None:
+    """Why :func:`available` is False (nvcc missing, compile error), else None."""
+    available(device)
+    return _state.get(_arch(torch.device(device)), "not a CUDA device")
+
+
+def supports(queries: torch.Tensor, group: int, summaries: PagedSummaries) -> bool:
+    """CUDA, float16/bfloat16 queries with unit stride along D, G from 1 to 16, page size 16, rank 8,
+    head_dim 64 or 128, and the library compiled."""
+    return (queries.is_cuda and queries.dtype in _DTYPES and queries.stride(-1) == 1 and 1 <= group <= 16
+            and summaries.page_size == 16 and summaries.rank == 8 and summaries.head_dim in HEAD_DIMS
+            and available(queries.device))
+
+
+def pages_per_program(max_pages: int, rows: int, device, head_dim: int = 128, group: int = 8,
+                      warps: int = WARPS) -> int:
+    """Pages per program for one wave of resident blocks: a multiple of ``warps * TILE``."""
+    device = torch.device(device)
+    lib = _library(device)
+    per_sm = max(1, lib.kvlocks_score_mma_blocks_per_sm(head_dim, 2 if group > 8 else 1, warps))
+    target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    per_row = max(1, target // max(rows, 1))
+    step = warps * TILE
+    return max(step, -(-(-(-max_pages // per_row)) // step) * step)
+
+
+def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
+                    workspace: dict | None = None, warps: int = WARPS):
+    """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`."""
+    from kvlocks.scoring.triton import LOG2E, _combine_launch, score_workspace  # noqa: PLC0415 (cycle)
+
+    bsz, hq, d = queries.shape
+    hkv = summaries.num_kv_heads
+    g = hq // hkv
+    if not supports(queries, g, summaries):
+        raise ValueError(
+            f"the CUDA score kernel needs CUDA float16/bfloat16 queries, G in 1..16 (got {g}), page size 16, "
+            f"rank 8, head_dim in {HEAD_DIMS} (got S={summaries.page_size}, R={summaries.rank}, D={d}); "
+            f"library: {unavailable_reason(queries.device) or 'ok'}")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.stride(-1) != 1:
+        raise ValueError("block_table and seq_lens must be int32, the block table with unit stride along pages")
+    max_pages = block_table.shape[1]
+    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device,
+                                      pages_per_program=pages_per_program(max_pages, bsz * hkv, queries.device,
+                                                                          d, g, warps))
+    if ws["ppp"] % TILE:
+        raise ValueError(f"workspace pages per program {ws['ppp']} is not a multiple of {TILE}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    lib = _library(queries.device)
+    st = summaries
+    err = lib.kvlocks_score_mma(
+        queries.data_ptr(), queries.stride(0), queries.stride(1), _DTYPES[queries.dtype], st.basis.data_ptr(),
+        st.basis_scale.data_ptr(), st.coef.data_ptr(), st.coef_scale.data_ptr(), st.centroid.data_ptr(),
+        st.centroid_scale.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+        ws["scores"].data_ptr(), ws["stats"].data_ptr(), bsz, hkv, g, ws["stats"].shape[-1], max_pages,
+        ws["n_chunks"], ws["ppp"], scale * LOG2E, d, warps, torch.cuda.current_stream(queries.device).cuda_stream)
+    if err:
+        reason = "unsupported head_dim/group/warps" if err == -1 else lib.kvlocks_error_string(err).decode()
+        raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")
+    _combine_launch(ws, seq_lens, hkv, g, max_pages, summaries.page_size, combine)
+    return ws["scores"], ws["lse"], ws["ranking"]
