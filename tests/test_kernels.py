@@ -106,7 +106,7 @@ def test_score_kernel_step_sizes_agree(launch):
     q, k, _, table, seq = make_paged(LENS["c"], 2, 3, 128, BF16)
     store = built_store(k, table, seq, LocksConfig())
     ws = score_tri.score_workspace(len(seq), 2, 3, table.shape[1], q.device)
-    ws["launch"] = launch
+    ws["launch"], ws["kernel"] = launch, "mma"  # the Triton three-dot kernel (on CUDA "auto" may pick the CUDA kernel)
     got = score_pages(q, store, table, seq, backend="triton", workspace=ws)
     exp = score_pages(q, store, table, seq, backend="torch")
     _assert_scores_match(got, exp, seq)
@@ -166,6 +166,37 @@ def test_packed_score_kernel_ptx_unpack_matches_reference():
         got = triton_packed.score_pages_packed(q, store, table, seq, unpack=2)
         exp = score_pages(q, store, table, seq, backend="torch")
         _assert_scores_match(got, exp, seq)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA kernel: needs a GPU (GPU runs: scripts/device/mma_probe.py --check)")
+@pytest.mark.parametrize("g,d,dtype,factor", [
+    (1, 128, BF16, 1.0), (3, 64, F16, 1.0), (4, 128, BF16, 1.0), (8, 128, BF16, 1.0), (8, 128, F16, 40.0),
+    (16, 64, BF16, 1.0), (16, 128, BF16, 1e4), (12, 128, F16, 1e-6),
+])
+def test_cuda_score_kernel_matches_reference(g, d, dtype, factor):
+    """The CUDA kernel (what score_pages runs on CUDA) against the torch backend; factor 40 makes
+    logits overflow exp2 and takes the exact max-subtracted path, 1e4 / 1e-6 test the query scaling."""
+    from kvlocks.scoring import cuda_mma
+
+    q, k, _, table, seq = make_paged(LENS["c"], 2, g, d, dtype)
+    q = (q.float() * factor).to(dtype)
+    store = built_store(k, table, seq, LocksConfig())
+    assert cuda_mma.supports(q, g, store), cuda_mma.unavailable_reason(q.device)
+    scale = 1.0 / (factor * d ** 0.5) if factor != 40.0 else None
+    for ppp in (None, 16, 48):  # default sizing; warps whose tiles end early; several tiles per warp
+        ws = None if ppp is None else score_tri.score_workspace(len(seq), 2, g, table.shape[1], q.device, ppp)
+        got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale, workspace=ws)
+        exp = score_pages(q, store, table, seq, backend="torch", scale=scale)
+        _assert_scores_match(got, exp, seq)
+
+
+def test_cuda_score_kernel_rejects_unsupported_inputs():
+    from kvlocks.scoring import cuda_mma
+
+    q, k, _, table, seq = make_paged(LENS["a"], 2, 4, 64, F32)
+    store = built_store(k, table, seq, LocksConfig())
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        cuda_mma.score_pages_mma(q, store, table, seq)
 
 
 def test_score_adapters_same_signature():

@@ -58,6 +58,21 @@ def check() -> int:
                     ok = err <= 1e-4
                     fails += not ok
                     print(f"{'ok  ' if ok else 'FAIL'} d={d} g={g} {dt} q*{factor:g}: rel err {err:.2e}", flush=True)
+    # warp runs that end inside a tile, several tiles per warp, programs past the last page
+    from kvlocks.scoring import triton as st
+
+    for ppp in (16, 48, 112, 336, 1024):
+        gen = torch.Generator(device=dev).manual_seed(ppp)
+        hkv, pc, g, d = 2, 300, 8, 128
+        store = _random_store(pc * 2, hkv, d, LocksConfig(page_size=16, budget=256), dev, gen)
+        table = torch.randperm(pc * 2, generator=gen, device=dev).to(torch.int32).view(2, pc)
+        seq = torch.tensor([pc * 16 - 3, 16 * 201], dtype=torch.int32, device=dev)
+        q = torch.empty(2, hkv * g, d, device=dev).normal_(generator=gen).to(torch.bfloat16)
+        exp = score_pages(q, store, table, seq, backend="torch")
+        ws = st.score_workspace(2, hkv, g, pc, dev, pages_per_program=ppp)
+        err = _err(cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws), exp, seq)
+        fails += not err <= 1e-4
+        print(f"{'ok  ' if err <= 1e-4 else 'FAIL'} ppp={ppp}: rel err {err:.2e}", flush=True)
     print("FAILURES:", fails)
     return fails
 
@@ -86,14 +101,35 @@ def time_shapes(tokens: int, out: str) -> None:
         ws_t["kernel"] = "packed"
         ref = [x.clone() for x in st.score_pages_paged(q, store, table, seq, workspace=ws_t)]
         emit(name="triton_packed", us=_time(lambda: st.score_pages_paged(q, store, table, seq, workspace=ws_t)))
-        for warps in (4, 2, 8):
+        for warps in (4, 2):
             ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
             ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=ppp)
             fn = lambda ws=ws, warps=warps: cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps)  # noqa: E731
             got = fn()
             errs = [float((x[..., :pc] - y[..., :pc]).abs().max()) for x, y in zip(got, ref)]
             emit(name="cuda_mma", warps=warps, ppp=ppp, us=_time(fn), max_err_vs_triton=errs)
+            if warps == 4:
+                for cb in (128, 256):
+                    ws["combine_block"] = cb
+                    emit(name="cuda_mma", warps=warps, ppp=ppp, combine_block=cb, us=_time(fn))
+                ws.pop("combine_block")
+                emit(name="combine_only", us=_time(lambda: st._combine_launch(ws, seq, hkv, g, pc, 16, "mean_share")))
         emit(name="load_only", us=_time(lambda: _load_launch(store, table[0], hkv, pc, 16, 4, 512)))
+
+
+def ncu_target(spec: str, tokens: int) -> None:
+    from kvlocks.scoring import cuda_mma
+    from kvlocks.scoring import triton as st
+
+    shape, warps = spec.split(":")
+    dev = torch.device("cuda")
+    store, table, q, seq = _case(shape, tokens, dev)
+    hkv, g, d = SHAPES[shape][:3]
+    pc = tokens // 16
+    ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=cuda_mma.pages_per_program(pc, hkv, dev, d, g, int(warps)))
+    for _ in range(3):
+        cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=int(warps))
+    torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -102,7 +138,11 @@ def main() -> None:
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--tokens", type=int, default=1 << 20)
     ap.add_argument("--out", default="mma_probe.jsonl")
+    ap.add_argument("--ncu", default=None, help="SHAPE:WARPS: three launches of the CUDA kernel, for Nsight Compute")
     args = ap.parse_args()
+    if args.ncu:
+        ncu_target(args.ncu, args.tokens)
+        return
     fails = check() if args.check else 0
     if args.time:
         time_shapes(args.tokens, args.out)

@@ -41,7 +41,10 @@ def cache_dir() -> Path:
 
 @lru_cache(maxsize=None)
 def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise NvccUnavailable(f"{nvcc} --version failed: {exc}") from exc
 
 
 def compile_library(source: Path, arch: str) -> Path:

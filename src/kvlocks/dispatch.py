@@ -158,7 +158,7 @@ class DecodePlan:
 
             rows = batch * num_kv_heads
             self.ws = {
-                "score": score_workspace(batch, num_kv_heads, group, max_pages, device),
+                "score": score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim),
                 "select": select_workspace(batch, num_kv_heads, max_pages, self.k, device),
                 "attend": attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device),
             }

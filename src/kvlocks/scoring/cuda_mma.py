@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -63,13 +64,19 @@ def available(device) -> bool:
             _state[key] = None
         except (NvccUnavailable, OSError) as exc:
             _state[key] = str(exc)
+            warnings.warn(f"CUDA score kernel unavailable, the Triton kernels score pages instead: {exc}",
+                          RuntimeWarning, stacklevel=2)
     return _state[key] is None
 
 
 def unavailable_reason(device) -> str | None:
-    """Why :func:`available` is False (nvcc missing, compile error), else None."""
-    available(device)
-    return _state.get(_arch(torch.device(device)), "not a CUDA device")
+    """Why :func:`available` is False (not a CUDA device, nvcc missing, compile error), else None."""
+    if available(device):
+        return None
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not a CUDA device"
+    return _state[_arch(device)]
 
 
 def supports(queries: torch.Tensor, group: int, summaries: PagedSummaries) -> bool:
@@ -82,13 +89,14 @@ def supports(queries: torch.Tensor, group: int, summaries: PagedSummaries) -> bo
 
 def pages_per_program(max_pages: int, rows: int, device, head_dim: int = 128, group: int = 8,
                       warps: int = WARPS) -> int:
-    """Pages per program for one wave of resident blocks: a multiple of ``warps * TILE``."""
+    """Pages per program for about one wave of resident blocks: a multiple of ``TILE * warps``
+    (warps take tiles of 16 pages in turn)."""
     device = torch.device(device)
     lib = _library(device)
     per_sm = max(1, lib.kvlocks_score_mma_blocks_per_sm(head_dim, 2 if group > 8 else 1, warps))
     target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     per_row = max(1, target // max(rows, 1))
-    step = warps * TILE
+    step = TILE * warps
     return max(step, -(-(-(-max_pages // per_row)) // step) * step)
 
 
@@ -108,10 +116,14 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
             f"library: {unavailable_reason(queries.device) or 'ok'}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.stride(-1) != 1:
         raise ValueError("block_table and seq_lens must be int32, the block table with unit stride along pages")
+    for name in ("basis", "basis_scale", "coef", "coef_scale", "centroid", "centroid_scale"):
+        t = getattr(summaries, name)
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"summaries.{name} must be contiguous and 16-byte aligned (the kernel copies 16-byte chunks)")
     max_pages = block_table.shape[1]
     ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device,
                                       pages_per_program=pages_per_program(max_pages, bsz * hkv, queries.device,
-                                                                          d, g, warps))
+                                                                          d, g, warps))  # sized for `warps`
     if ws["ppp"] % TILE:
         raise ValueError(f"workspace pages per program {ws['ppp']} is not a multiple of {TILE}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -115,6 +115,17 @@ __device__ __forceinline__ void int4_word_to_half2(uint32_t w, uint32_t (&x)[4])
   x[3] = hsub2(and_xor(w8, 0x00F000F0u, 0x64806480u), 0x64806480u);
 }
 
+// The same positions with no subtraction: x0 = (e0 + 8, e4 + 8) 2^-24, x1 = 16 (e1 + 8, e5 + 8) 2^-24,
+// ... as float16 subnormals (exact). The +8 offset contributes 8 sum_d q[d] 2^-24 to every
+// projection, which the caller subtracts once per program (Warp::off).
+__device__ __forceinline__ void int4_word_to_subnormal(uint32_t w, uint32_t (&x)[4]) {
+  const uint32_t w8 = w >> 8;
+  x[0] = and_xor(w, 0x000F000Fu, 0x00080008u);
+  x[1] = and_xor(w, 0x00F000F0u, 0x00800080u);
+  x[2] = and_xor(w8, 0x000F000Fu, 0x00080008u);
+  x[3] = and_xor(w8, 0x00F000F0u, 0x00800080u);
+}
+
 // Eight int8 (words w0 = e0..e3, w1 = e4..e7) -> x0 = (e0, e4), x1 = 16 (e1, e5), x2 = (e2, e6),
 // x3 = 16 (e3, e7): the same positions as int4_word_to_half2, so both share the query fragments.
 __device__ __forceinline__ void int8_words_to_half2(uint32_t w0, uint32_t w1, uint32_t (&x)[4]) {
@@ -135,31 +146,23 @@ __device__ __forceinline__ void int8_pairs_to_half2(uint32_t pa, uint32_t pb, ui
   xb = hsub2(prmt(u, 0x64646464u, 0x4342u), 0x64806480u);
 }
 
+// A lane's D/8 bytes of one basis row (in shared memory) as 32-bit words.
 template <int D>
-struct Chunk;  // a thread's D/8 bytes of one basis row, or D/4 bytes of one centroid
+struct Chunk;
 template <>
 struct Chunk<128> {
-  static constexpr int W = 4;  // 32-bit words of basis per thread
-  __device__ static void basis(const uint8_t* p, uint32_t (&w)[4]) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  static constexpr int W = 4;
+  __device__ static void load(const uint8_t* p, uint32_t (&w)[4]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-  }
-  __device__ static void centroid(const int8_t* p, uint32_t (&w)[8]) {
-    const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(p));
-    const uint4 v1 = __ldg(reinterpret_cast<const uint4*>(p) + 1);
-    w[0] = v0.x; w[1] = v0.y; w[2] = v0.z; w[3] = v0.w; w[4] = v1.x; w[5] = v1.y; w[6] = v1.z; w[7] = v1.w;
   }
 };
 template <>
 struct Chunk<64> {
   static constexpr int W = 2;
-  __device__ static void basis(const uint8_t* p, uint32_t (&w)[2]) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+  __device__ static void load(const uint8_t* p, uint32_t (&w)[2]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
     w[0] = v.x; w[1] = v.y;
-  }
-  __device__ static void centroid(const int8_t* p, uint32_t (&w)[4]) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
 };
 
@@ -182,79 +185,140 @@ struct Params {
   float qk_scale2;  // scale * log2(e)
 };
 
-// The per-warp state shared by the page-group step: the query fragments and constants.
+// The per-warp state shared by the page-group steps: the query fragments and constants.
 template <int D, int NT>
 struct Warp {
   static constexpr int KS = D / 16;  // k-steps of the projection
   uint32_t qf[NT][KS][2];
+  float off[NT][2];  // the basis' subnormal offset, 8 sum_d q[g][d] * 2^-24, heads 2c, 2c + 1
   int lane, gid, c, h;
   float kappa;  // 2^-e * scale * log2(e): logits from the scaled accumulators, in log2 units
 };
 
-// Within-page log2-sum-exp of the deviation logits (centroid term excluded) of pages 4j..4j+3 of a
-// tile: one value per lane, for page 4j + 2 bit4(lane) + bit3(lane) and head nt * 8 + 2 (lane % 4)
-// + bit2(lane). SAFE subtracts each (page, head)'s maximum before exp2.
+// cp.async: 16 bytes global -> shared, bypassing L1; completion tracked in commit groups per thread
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// The summary bytes of four pages (one group step), as stored, staged in shared memory.
+template <int D>
+struct alignas(16) GroupSlot {
+  uint8_t basis[4][R * D / 2];
+  int8_t coef[4][S * R];
+  uint16_t cs[4][S];  // float16 bits
+  uint16_t bs[4][R];
+};
+
+// The centroids of a tile's 16 pages.
+template <int D>
+struct alignas(16) CentroidSlot {
+  int8_t cen[TILE][D];
+};
+
+// Copies group j of a tile (pages 4j..4j+3, ids in lanes 0-15 of `pid`) into `slot` (whole warp).
+template <int D>
+__device__ __forceinline__ void issue_group(GroupSlot<D>& slot, const Params& p, int pid, int j, int h, int lane) {
+  constexpr int CB = R * D / 2 / 16;  // 16-byte chunks of one page's basis
+#pragma unroll
+  for (int k = 0; k < 4 * CB / 32; ++k) {
+    const int idx = k * 32 + lane, i = idx / CB, off = idx % CB;
+    const int64_t ph = (int64_t)__shfl_sync(FULL, pid, 4 * j + i) * p.hkv + h;
+    cp_async16(slot.basis[i] + 16 * off, p.basis + ph * (R * D / 2) + 16 * off);
+  }
+  {  // coefficients: 8 chunks per page, lanes 8i..8i+7 for page i
+    const int i = lane >> 3, off = lane & 7;
+    const int64_t ph = (int64_t)__shfl_sync(FULL, pid, 4 * j + i) * p.hkv + h;
+    cp_async16(slot.coef[i] + 16 * off, p.coef + ph * (S * R) + 16 * off);
+  }
+  // coefficient scales (2 chunks per page, lanes 0-7) and basis scales (1 chunk, lanes 8-11)
+  const int i = lane < 8 ? lane >> 1 : (lane - 8) & 3;
+  const int64_t ph = (int64_t)__shfl_sync(FULL, pid, 4 * j + i) * p.hkv + h;
+  if (lane < 8) cp_async16(slot.cs[i] + 8 * (lane & 1), reinterpret_cast<const uint16_t*>(p.cscale) + ph * S + 8 * (lane & 1));
+  else if (lane < 12) cp_async16(slot.bs[i], reinterpret_cast<const uint16_t*>(p.bscale) + ph * R);
+}
+
+// Copies the centroids of a tile's 16 pages into `slot` (whole warp).
+template <int D>
+__device__ __forceinline__ void issue_centroids(CentroidSlot<D>& slot, const Params& p, int pid, int h, int lane) {
+  constexpr int CC = D / 16;  // 16-byte chunks per centroid
+#pragma unroll
+  for (int k = 0; k < TILE * CC / 32; ++k) {
+    const int idx = k * 32 + lane, i = idx / CC, off = idx % CC;
+    const int64_t ph = (int64_t)__shfl_sync(FULL, pid, i) * p.hkv + h;
+    cp_async16(slot.cen[i] + 16 * off, p.cen + ph * D + 16 * off);
+  }
+}
+
+__device__ __forceinline__ float half_bits(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)x)); }
+
+// Within-page log2-sum-exp of the deviation logits (centroid term excluded) of the group's four
+// pages: one value per lane, for page 2 bit4(lane) + bit3(lane) and head nt * 8 + 2 (lane % 4) +
+// bit2(lane). SAFE subtracts each (page, head)'s maximum before exp2; otherwise `bad` says whether
+// a valid lane's sum left [2^-100, 2^100] (then the caller reruns with SAFE).
 template <int D, int NT, bool SAFE>
-__device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const Params& p, int pid, int j, bool valid,
+__device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const GroupSlot<D>& r, bool valid,
                                           float (&out)[NT], bool& bad) {
   float v[4][NT][2];
   float mx[4][NT][2];
 #pragma unroll
   for (int pr = 0; pr < 2; ++pr) {
-    const int id0 = __shfl_sync(FULL, pid, 4 * j + 2 * pr), id1 = __shfl_sync(FULL, pid, 4 * j + 2 * pr + 1);
-    const int64_t ph0 = (int64_t)id0 * p.hkv + w.h, ph1 = (int64_t)id1 * p.hkv + w.h;
-    uint32_t b0[Chunk<D>::W], b1[Chunk<D>::W];
-    Chunk<D>::basis(p.basis + ph0 * (R * D / 2) + w.gid * (D / 2) + w.c * (D / 8), b0);
-    Chunk<D>::basis(p.basis + ph1 * (R * D / 2) + w.gid * (D / 2) + w.c * (D / 8), b1);
-    const float bs0 = half_at(p.bscale + ph0 * R + w.gid), bs1 = half_at(p.bscale + ph1 * R + w.gid);
-    const uint16_t* cf0 = reinterpret_cast<const uint16_t*>(p.coef + ph0 * (S * R)) + w.gid * (R / 2) + w.c;
-    const uint16_t* cf1 = reinterpret_cast<const uint16_t*>(p.coef + ph1 * (S * R)) + w.gid * (R / 2) + w.c;
-    uint32_t ca[2][2];  // [page][row gid / gid + 8]
-    int8_pairs_to_half2(__ldg(cf0), __ldg(cf0 + 8 * (R / 2)), ca[0][0], ca[0][1]);  // keys gid, gid + 8
-    int8_pairs_to_half2(__ldg(cf1), __ldg(cf1 + 8 * (R / 2)), ca[1][0], ca[1][1]);
-    float wk[2][2];  // coefficient scale * kappa, [page][key gid / gid + 8]
-    wk[0][0] = half_at(p.cscale + ph0 * S + w.gid) * w.kappa;
-    wk[0][1] = half_at(p.cscale + ph0 * S + w.gid + 8) * w.kappa;
-    wk[1][0] = half_at(p.cscale + ph1 * S + w.gid) * w.kappa;
-    wk[1][1] = half_at(p.cscale + ph1 * S + w.gid + 8) * w.kappa;
-
-    float acc[NT][4];
+    // two accumulator chains (even / odd k-steps) for the tensor pipe's latency
+    float acc[NT][4], acc2[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[nt][i] = 0.f;
+    }
+    uint32_t b0[Chunk<D>::W], b1[Chunk<D>::W];
+    const int at = w.gid * (D / 2) + w.c * (D / 8);  // this lane's bytes of basis row gid
+    Chunk<D>::load(r.basis[2 * pr] + at, b0);
+    Chunk<D>::load(r.basis[2 * pr + 1] + at, b1);
 #pragma unroll
     for (int u = 0; u < Chunk<D>::W; ++u) {
       uint32_t x0[4], x1[4];
-      int4_word_to_half2(b0[u], x0);
-      int4_word_to_half2(b1[u], x1);
+      int4_word_to_subnormal(b0[u], x0);
+      int4_word_to_subnormal(b1[u], x1);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         mma16(acc[nt], x0[0], x1[0], x0[1], x1[1], w.qf[nt][2 * u][0], w.qf[nt][2 * u][1]);
-        mma16(acc[nt], x0[2], x1[2], x0[3], x1[3], w.qf[nt][2 * u + 1][0], w.qf[nt][2 * u + 1][1]);
+        mma16(acc2[nt], x0[2], x1[2], x0[3], x1[3], w.qf[nt][2 * u + 1][0], w.qf[nt][2 * u + 1][1]);
       }
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int pg = 0; pg < 2; ++pg) {
-        // projections of page pg (basis row gid, heads 2c, 2c+1) -> float16 hi + lo -> B fragments
-        const float bs = pg ? bs1 : bs0;
-        const float y0 = acc[nt][2 * pg] * bs, y1 = acc[nt][2 * pg + 1] * bs;
+      for (int i = 0; i < 4; ++i) acc[nt][i] += acc2[nt][i];
+    }
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+      const int page = 2 * pr + pg;
+      uint32_t ca0, ca1;  // coefficient rows gid, gid + 8 as float16 A fragments
+      const uint16_t* cf = reinterpret_cast<const uint16_t*>(r.coef[page]) + w.gid * (R / 2) + w.c;
+      int8_pairs_to_half2(cf[0], cf[8 * (R / 2)], ca0, ca1);
+      const float bs = half_bits(r.bs[page][w.gid]) * 16777216.f;  // undoes the subnormal 2^-24
+      const float wk0 = half_bits(r.cs[page][w.gid]) * w.kappa, wk1 = half_bits(r.cs[page][w.gid + 8]) * w.kappa;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        // projections of this page (basis row gid, heads 2c, 2c+1) -> float16 hi + lo -> B fragments
+        const float y0 = (acc[nt][2 * pg] - w.off[nt][0]) * bs, y1 = (acc[nt][2 * pg + 1] - w.off[nt][1]) * bs;
         const uint32_t hi = pack_half2(y0, y1);
         const float2 hf = unpack_half2(hi);
         const uint32_t lo = pack_half2(y0 - hf.x, y1 - hf.y);
         float dv[4] = {0.f, 0.f, 0.f, 0.f};
-        mma8(dv, ca[pg][0], ca[pg][1], transpose8x8(hi));
-        mma8(dv, ca[pg][0], ca[pg][1], transpose8x8(lo));
+        mma8(dv, ca0, ca1, transpose8x8(hi));
+        mma8(dv, ca0, ca1, transpose8x8(lo));
         // dv: keys gid (0, 1) and gid + 8 (2, 3), heads 2c (0, 2) and 2c + 1 (1, 3)
-        const float l0 = dv[0] * wk[pg][0], l1 = dv[1] * wk[pg][0];
-        const float l2 = dv[2] * wk[pg][1], l3 = dv[3] * wk[pg][1];
-        const int page = 2 * pr + pg;
+        const float l0 = dv[0] * wk0, l1 = dv[1] * wk0, l2 = dv[2] * wk1, l3 = dv[3] * wk1;
         if (SAFE) {
           float m0 = fmaxf(l0, l2), m1 = fmaxf(l1, l3);
 #pragma unroll
-          for (int off = 4; off < 32; off <<= 1) {
-            m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, off));
-            m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, off));
+          for (int o = 4; o < 32; o <<= 1) {
+            m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, o));
+            m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, o));
           }
           mx[page][nt][0] = m0;
           mx[page][nt][1] = m1;
@@ -305,18 +369,77 @@ __device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const Params& p,
   }
 }
 
+// The exact path, out of line: it runs only for groups whose sums left the fast path's range, and
+// inlined it would cost the hot loop registers.
+template <int D, int NT>
+__device__ __noinline__ void group_lse_safe(const Warp<D, NT> w, const GroupSlot<D>& r, bool valid,
+                                            float (&out)[NT]) {
+  bool unused;
+  group_lse<D, NT, true>(w, r, valid, out, unused);
+}
+
+// The centroid term of a tile's 16 pages: rows gid and gid + 8, heads 2c, 2c + 1, in log2 units.
+template <int D, int NT>
+__device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const CentroidSlot<D>& slot, float sa, float sb,
+                                              float (&cq)[NT][4]) {
+  const uint32_t* ca = reinterpret_cast<const uint32_t*>(slot.cen[w.gid] + w.c * (D / 4));
+  const uint32_t* cb = reinterpret_cast<const uint32_t*>(slot.cen[w.gid + 8] + w.c * (D / 4));
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) cq[nt][0] = cq[nt][1] = cq[nt][2] = cq[nt][3] = 0.f;
+#pragma unroll
+  for (int u = 0; u < Chunk<D>::W; ++u) {
+    uint32_t xa[4], xb[4];
+    int8_words_to_half2(ca[2 * u], ca[2 * u + 1], xa);
+    int8_words_to_half2(cb[2 * u], cb[2 * u + 1], xb);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      mma16(cq[nt], xa[0], xb[0], xa[1], xb[1], w.qf[nt][2 * u][0], w.qf[nt][2 * u][1]);
+      mma16(cq[nt], xa[2], xb[2], xa[3], xb[3], w.qf[nt][2 * u + 1][0], w.qf[nt][2 * u + 1][1]);
+    }
+  }
+  sa *= w.kappa;
+  sb *= w.kappa;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    cq[nt][0] *= sa; cq[nt][1] *= sa; cq[nt][2] *= sb; cq[nt][3] *= sb;
+  }
+}
+
 template <int D, int NT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
   constexpr int KS = D / 16;
   __shared__ float qs[NT * 8][D];
   __shared__ float red[WARPS];
   __shared__ float st_m[WARPS][NT * 8], st_l[WARPS][NT * 8];
+  __shared__ GroupSlot<D> gslots[WARPS][2];
+  __shared__ CentroidSlot<D> cslots[WARPS][2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.y, chunk = blockIdx.x;
   const int b = row / p.hkv, h = row % p.hkv;
   const int pc = __ldg(p.seq_lens + b) / S;
   const int start = chunk * p.ppp;
   const int end = min(start + p.ppp, pc);
+  const int32_t* bt = p.block_table + (int64_t)b * p.stride_bt;
+  const int gid = lane >> 2;
+  // page ids of a tile: lane l holds page t0 + (l % 16); page id 0 stands in past the end (not stored)
+  auto tile_ids = [&](int t0) { const int mine = t0 + (lane & 15); return mine < end ? __ldg(bt + mine) : 0; };
+  // centroid scales of rows gid, gid + 8 of a tile
+  auto cen_scales = [&](int pid, float& sa, float& sb) {
+    sa = half_at(p.censcale + (int64_t)__shfl_sync(FULL, pid, gid) * p.hkv + h);
+    sb = half_at(p.censcale + (int64_t)__shfl_sync(FULL, pid, gid + 8) * p.hkv + h);
+  };
+  GroupSlot<D>* gslot = gslots[warp];
+  CentroidSlot<D>* cslot = cslots[warp];
+  int t0 = start + warp * TILE;
+  int pid = 0;
+  float sa = 0.f, sb = 0.f;
+  if (t0 < end) {  // the first copies overlap the query set-up
+    pid = tile_ids(t0);
+    issue_centroids(cslot[0], p, pid, h, lane);
+    issue_group(gslot[0], p, pid, 0, h, lane);
+    cp_async_commit();
+    cen_scales(pid, sa, sb);
+  }
 
   // queries of the group -> shared memory (float32), and their largest magnitude
   float amax = 0.f;
@@ -333,7 +456,7 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
     amax = fmaxf(amax, fabsf(x));
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, off));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
   if (lane == 0) red[warp] = amax;
   __syncthreads();
   amax = 0.f;
@@ -347,7 +470,7 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
 
   Warp<D, NT> w;
   w.lane = lane;
-  w.gid = lane >> 2;
+  w.gid = gid;
   w.c = lane & 3;
   w.h = h;
   w.kappa = ldexpf(p.qk_scale2, -e);
@@ -357,81 +480,92 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
 #pragma unroll
     for (int t = 0; t < KS; ++t) {
       const int d = w.c * (D / 4) + 8 * (t >> 1) + 2 * (t & 1);
-      const float* r = qs[g];
-      w.qf[nt][t][0] = pack_half2(r[d] * qscale, r[d + 4] * qscale);
-      w.qf[nt][t][1] = pack_half2(r[d + 1] * qscale * 0.0625f, r[d + 5] * qscale * 0.0625f);
+      const float* q = qs[g];
+      w.qf[nt][t][0] = pack_half2(q[d] * qscale, q[d + 4] * qscale);
+      w.qf[nt][t][1] = pack_half2(q[d + 1] * qscale * 0.0625f, q[d + 5] * qscale * 0.0625f);
     }
+    // the subnormal offset as the tensor cores compute it: the projection of an all-zero basis word
+    uint32_t z[4];
+    int4_word_to_subnormal(0u, z);
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int t = 0; t < KS; t += 2) {
+      mma16(o, z[0], z[0], z[1], z[1], w.qf[nt][t][0], w.qf[nt][t][1]);
+      mma16(o, z[2], z[2], z[3], z[3], w.qf[nt][t + 1][0], w.qf[nt][t + 1][1]);
+    }
+    w.off[nt][0] = o[0];
+    w.off[nt][1] = o[1];
   }
 
   float m_run[NT], l_run[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) { m_run[nt] = -INFINITY; l_run[nt] = 0.f; }
-  const int32_t* bt = p.block_table + (int64_t)b * p.stride_bt;
   const bool h4 = lane & 16, h3 = lane & 8, h2 = lane & 4;
 
-  for (int t0 = start + warp * TILE; t0 < end; t0 += WARPS * TILE) {
-    const int mine = t0 + (lane & 15);
-    const int pid = mine < end ? __ldg(bt + mine) : 0;  // page id 0 stands in past the end (not stored)
-
-    // centroid term for the tile's 16 pages: rows gid and gid + 8
-    float cq[NT][4];
-    {
-      const int ida = __shfl_sync(FULL, pid, w.gid), idb = __shfl_sync(FULL, pid, w.gid + 8);
-      const int64_t pha = (int64_t)ida * p.hkv + h, phb = (int64_t)idb * p.hkv + h;
-      uint32_t ca[2 * Chunk<D>::W], cb[2 * Chunk<D>::W];
-      Chunk<D>::centroid(p.cen + pha * D + w.c * (D / 4), ca);
-      Chunk<D>::centroid(p.cen + phb * D + w.c * (D / 4), cb);
-      const float sa = half_at(p.censcale + pha) * w.kappa, sb = half_at(p.censcale + phb) * w.kappa;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) cq[nt][0] = cq[nt][1] = cq[nt][2] = cq[nt][3] = 0.f;
-#pragma unroll
-      for (int u = 0; u < Chunk<D>::W; ++u) {
-        uint32_t xa[4], xb[4];
-        int8_words_to_half2(ca[2 * u], ca[2 * u + 1], xa);
-        int8_words_to_half2(cb[2 * u], cb[2 * u + 1], xb);
+  // Software pipeline over this warp's groups (tiles start + (warp + k WARPS) * TILE, up to four
+  // groups each): group n + 1's bytes (and at a tile's last group, the next tile's centroids) are copied
+  // into shared memory while group n is computed; one commit group per step.
+  if (t0 < end) {
+    int n = 0, tile = 0;
+    while (true) {
+      const int t_next = t0 + WARPS * TILE;
+      const bool more = t_next < end;
+      const int ng = min(4, (end - t0 + 3) >> 2);  // groups of this tile with a page to score
+      const int pid_next = more ? tile_ids(t_next) : 0;
+      float sa_next = 0.f, sb_next = 0.f;
+      if (more) cen_scales(pid_next, sa_next, sb_next);
+      float cq[NT][4];
+#pragma unroll 1
+      for (int j = 0; j < ng; ++j, ++n) {
+        __syncwarp();  // every lane is done reading the slot the next copy overwrites
+        if (j + 1 < ng) {
+          issue_group(gslot[(n + 1) & 1], p, pid, j + 1, h, lane);
+        } else if (more) {
+          issue_centroids(cslot[(tile + 1) & 1], p, pid_next, h, lane);
+          issue_group(gslot[(n + 1) & 1], p, pid_next, 0, h, lane);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // everything but the copy just issued has landed
+        __syncwarp();
+        if (j == 0) centroid_term(w, cslot[tile & 1], sa, sb, cq);
+        const GroupSlot<D>& slot = gslot[n & 1];
+        const int pt = 4 * j + 2 * (int)h4 + (int)h3;  // this lane's page within the tile
+        const int page = t0 + pt;
+        float lse[NT];
+        bool bad;
+        group_lse<D, NT, false>(w, slot, page < end, lse, bad);
+        if (__any_sync(FULL, bad)) group_lse_safe(w, slot, page < end, lse);
+        const int src = 4 * (pt & 7) + w.c;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          mma16(cq[nt], xa[0], xb[0], xa[1], xb[1], w.qf[nt][2 * u][0], w.qf[nt][2 * u][1]);
-          mma16(cq[nt], xa[2], xb[2], xa[3], xb[3], w.qf[nt][2 * u + 1][0], w.qf[nt][2 * u + 1][1]);
+          const float c0 = __shfl_sync(FULL, j >= 2 ? cq[nt][2] : cq[nt][0], src);
+          const float c1 = __shfl_sync(FULL, j >= 2 ? cq[nt][3] : cq[nt][1], src);
+          const float x = lse[nt] + (h2 ? c1 : c0);  // log2 units
+          const int g = nt * 8 + 2 * w.c + (int)h2;
+          if (page < end) {
+            if (g < p.g) p.scores[((int64_t)row * p.g + g) * p.max_pages + page] = x * LN2;
+            const float mn = fmaxf(m_run[nt], x);
+            l_run[nt] = l_run[nt] * fast_exp2(m_run[nt] - mn) + fast_exp2(x - mn);
+            m_run[nt] = mn;
+          }
         }
       }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        cq[nt][0] *= sa; cq[nt][1] *= sa; cq[nt][2] *= sb; cq[nt][3] *= sb;
-      }
+      if (!more) break;
+      t0 = t_next;
+      pid = pid_next;
+      sa = sa_next;
+      sb = sb_next;
+      ++tile;
     }
-
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int pt = 4 * j + 2 * (int)h4 + (int)h3;  // this lane's page within the tile
-      const int src = 4 * (pt & 7) + w.c;
-      const int page = t0 + pt;
-      float lse[NT];
-      bool bad;
-      group_lse<D, NT, false>(w, p, pid, j, page < end, lse, bad);
-      if (__any_sync(FULL, bad)) group_lse<D, NT, true>(w, p, pid, j, page < end, lse, bad);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float c0 = __shfl_sync(FULL, j >= 2 ? cq[nt][2] : cq[nt][0], src);
-        const float c1 = __shfl_sync(FULL, j >= 2 ? cq[nt][3] : cq[nt][1], src);
-        const float x = lse[nt] + (h2 ? c1 : c0);  // log2 units
-        const int g = nt * 8 + 2 * w.c + (int)h2;
-        if (page < end) {
-          if (g < p.g) p.scores[((int64_t)row * p.g + g) * p.max_pages + page] = x * LN2;
-          const float mn = fmaxf(m_run[nt], x);
-          l_run[nt] = l_run[nt] * fast_exp2(m_run[nt] - mn) + fast_exp2(x - mn);
-          m_run[nt] = mn;
-        }
-      }
-    }
+    cp_async_wait<0>();
   }
 
   // per-head (max, sum) over the lanes holding the same head (bits 3, 4), then over the warps
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int off = 8; off <= 16; off <<= 1) {
-      const float om = __shfl_xor_sync(FULL, m_run[nt], off), ol = __shfl_xor_sync(FULL, l_run[nt], off);
+    for (int o = 8; o <= 16; o <<= 1) {
+      const float om = __shfl_xor_sync(FULL, m_run[nt], o), ol = __shfl_xor_sync(FULL, l_run[nt], o);
       const float mn = fmaxf(m_run[nt], om);
       const float safe = mn == -INFINITY ? 0.f : mn;
       l_run[nt] = l_run[nt] * fast_exp2(m_run[nt] - safe) + ol * fast_exp2(om - safe);
@@ -472,8 +606,6 @@ Kernel pick(int head_dim, int nt, int warps) {
   KVLOCKS_CASE(64, 1, 4)
   KVLOCKS_CASE(64, 2, 4)
   KVLOCKS_CASE(128, 1, 2)
-  KVLOCKS_CASE(128, 1, 8)
-  KVLOCKS_CASE(128, 2, 8)
 #undef KVLOCKS_CASE
   return nullptr;
 }

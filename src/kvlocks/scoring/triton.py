@@ -186,11 +186,18 @@ def _launch_sizes(total_pages: int, rows: int, device: torch.device, block: int)
 
 
 def score_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, device,
-                    pages_per_program: int | None = None) -> dict:
-    """Buffers for :func:`score_pages_paged`, allocated once per plan."""
+                    pages_per_program: int | None = None, head_dim: int = 128) -> dict:
+    """Buffers for :func:`score_pages_paged`, allocated once per plan. Pages per program: sized
+    for the CUDA kernel where it is available (a multiple of every kernel's step), else for Triton's."""
     device = torch.device(device)
     rows = batch * num_kv_heads
-    ppp = pages_per_program or _launch_sizes(max_pages, rows, device, MAX_BLOCK)
+    ppp = pages_per_program
+    if ppp is None and device.type == "cuda":
+        from kvlocks.scoring import cuda_mma  # noqa: PLC0415 (imports this module)
+
+        if cuda_mma.available(device):
+            ppp = cuda_mma.pages_per_program(max_pages, rows, device, head_dim, group)
+    ppp = ppp or _launch_sizes(max_pages, rows, device, MAX_BLOCK)
     n_chunks = max(1, -(-max_pages // ppp))
     gb = triton.next_power_of_2(group)
     f32 = dict(dtype=torch.float32, device=device)
@@ -215,8 +222,11 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     summaries : :class:`PagedSummaries` indexed by physical page id
     block_table : int32 ``[B, max_pages]``; seq_lens : int32 ``[B]`` (tokens per sequence)
     workspace : from :func:`score_workspace` (allocated here when omitted); ``workspace["kernel"]``
-        may pin ``"mma"`` (three-dot kernel) or ``"packed"`` (:mod:`kvlocks.scoring.triton_packed`);
-        by default the packed kernel runs where it measured faster (CUDA, half-precision queries, G <= 16, rank 8)
+        may pin ``"cuda"`` (:mod:`kvlocks.scoring.cuda_mma`), ``"packed"``
+        (:mod:`kvlocks.scoring.triton_packed`) or ``"mma"`` (the Triton three-dot kernel). By default
+        the CUDA kernel runs where it is supported and compiled (half-precision queries, S = 16,
+        R = 8), else the packed kernel where it measured faster (half precision, G <= 16, R = 8),
+        else the three-dot kernel
 
     Returns
     -------
@@ -231,11 +241,16 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
         raise ValueError(f"head_dim={d}: the score kernel supports {HEAD_DIMS}")
     g = hq // hkv
     max_pages = block_table.shape[1]
-    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
+    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device, head_dim=d)
     choice = ws.get("kernel", "auto")
-    if choice not in ("auto", "packed", "mma"):
-        raise ValueError(f"workspace kernel {choice!r}: allowed 'auto', 'packed', 'mma'")
-    from kvlocks.scoring import triton_packed  # noqa: PLC0415 (imports this module)
+    if choice not in ("auto", "cuda", "packed", "mma"):
+        raise ValueError(f"workspace kernel {choice!r}: allowed 'auto', 'cuda', 'packed', 'mma'")
+    from kvlocks.scoring import cuda_mma, triton_packed  # noqa: PLC0415 (imports this module)
+
+    if choice == "cuda" or (choice == "auto" and ws["ppp"] % cuda_mma.TILE == 0
+                            and cuda_mma.supports(queries, g, summaries)):
+        return cuda_mma.score_pages_mma(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
+                                        workspace=ws)
 
     if choice == "packed" or (choice == "auto" and triton_packed.supports(queries, g, r)):
         return triton_packed.score_pages_packed(queries, summaries, block_table, seq_lens, scale=scale,
@@ -264,7 +279,7 @@ def _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine):
     n2 = max(1, -(-max_pages // ws["ppp2"]))
     _combine_kernel[(n2, rows)](
         ws["scores"], ws["stats"], seq_lens, ws["ranking"], ws["lse"], hkv, g, max_pages, ws["n_chunks"],
-        ws["ppp2"], S=s, GP=ws["stats"].shape[-1], RULE=RULES[combine], BLOCK_C=64,
+        ws["ppp2"], S=s, GP=ws["stats"].shape[-1], RULE=RULES[combine], BLOCK_C=ws.get("combine_block", 256),
         BLOCK_K=max(16, min(256, triton.next_power_of_2(ws["n_chunks"]))), num_warps=4,
     )
 

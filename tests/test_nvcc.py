@@ -1,0 +1,43 @@
+"""Building the CUDA sources with nvcc (kvlocks._nvcc): compile, cache, and clear errors.
+
+Needs nvcc (not a GPU): compiling for sm_90 checks the CUDA score kernel's source on any machine
+with the CUDA toolkit. Its results are checked on the GPU (tests/test_kernels.py).
+"""
+
+import ctypes
+
+import pytest
+
+from kvlocks import _nvcc
+from kvlocks.scoring import cuda_mma
+
+NVCC = _nvcc.find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+
+
+@needs_nvcc
+def test_score_kernel_source_compiles_and_exports_its_entry_points(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOCKS_CACHE", str(tmp_path))
+    lib_path = _nvcc.compile_library(cuda_mma.SOURCE, "sm_90")
+    assert lib_path.parent == tmp_path / "cuda" and lib_path.stat().st_size > 0
+    assert _nvcc.compile_library(cuda_mma.SOURCE, "sm_90") == lib_path  # cached: same file, no recompile
+    lib = ctypes.CDLL(str(lib_path))
+    for name in ("kvlocks_score_mma", "kvlocks_score_mma_blocks_per_sm", "kvlocks_error_string"):
+        assert hasattr(lib, name), name
+
+
+@needs_nvcc
+def test_compile_error_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOCKS_CACHE", str(tmp_path))
+    bad = tmp_path / "broken.cu"
+    bad.write_text("__global__ void k() { this is not C++ }\n")
+    with pytest.raises(_nvcc.NvccUnavailable, match="broken.cu"):
+        _nvcc.compile_library(bad, "sm_90")
+    assert not list((tmp_path / "cuda").glob("broken*.so"))  # nothing half-written left in the cache
+
+
+def test_missing_or_broken_nvcc_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOCKS_NVCC", str(tmp_path / "no-such-nvcc"))
+    _nvcc._nvcc_version.cache_clear()
+    with pytest.raises(_nvcc.NvccUnavailable, match="no-such-nvcc"):
+        _nvcc.compile_library(cuda_mma.SOURCE, "sm_90")
