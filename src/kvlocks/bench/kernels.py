@@ -38,7 +38,7 @@ SHAPES = {  # Hkv, G, D, layers
 }
 # score-kernel variants measured beside the (autotuned) default at the largest context, batch 1
 # the three-dot kernel beside the default (which is the packed kernel for G <= 4 on CUDA)
-SCORE_VARIANTS = {"x_score_mma": {"kernel": "mma"}}
+SCORE_VARIANTS = {"x_score_mma": {"kernel": "mma"}, "x_score_packed": {"kernel": "packed"}}
 METHODS = ("dense_sdpa", "dense_splitk", "locks_score", "locks_select", "locks_attend", "locks_total", "build")
 
 
@@ -241,6 +241,14 @@ def _methods(case, device):
     }
 
 
+def _score_kernel_name(device) -> str:
+    """Which kernel ``locks_score`` runs here: the CUDA kernel, or Triton's (with the reason)."""
+    from kvlocks.scoring import cuda_mma
+
+    reason = cuda_mma.unavailable_reason(device)
+    return "cuda_mma (kvlocks/scoring/score_mma.cu)" if reason is None else f"triton ({reason})"
+
+
 def _tuned_score_config() -> str | None:
     """The launch configurations the score kernels' autotuners chose last (None on the CPU)."""
     from kvlocks.scoring.triton import _score_mma_tuned
@@ -332,6 +340,7 @@ def run_kernels_bench(out_dir, config: KernelBenchConfig | None = None, *, devic
             "sm_count": props.multi_processor_count if props else None, "l2_bytes": l2,
             "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
             "commit": os.environ.get("KVLOCKS_COMMIT"), "copy_gbps": copy_gbps, "rows": rows, "errors": errors,
+            "score_kernel": _score_kernel_name(device),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
