@@ -155,6 +155,21 @@ def test_triton_backend_matches_torch_backend():
         assert torch.allclose(out["torch"][1], out["triton"][1], atol=1e-4 * float(out["torch"][1].abs().max()))
 
 
+@pytest.mark.skipif(not CUDA, reason="the CUDA score kernel: GPU only")
+def test_engine_with_cuda_score_kernel_equals_triton_score_kernel(monkeypatch):
+    """bf16 model: the engine's tokens and logits with the CUDA score kernel (the default) equal
+    those with the Triton packed kernel; everything else (builds, selection, attention) is shared."""
+    model = _tiny("glm4-9b-1m", seed=1, num_hidden_layers=2).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    out = {}
+    for kernel in ("cuda", "packed"):
+        monkeypatch.setenv("KVLOCKS_SCORE_KERNEL", kernel)
+        eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=64), max_context=360))
+        out[kernel] = (eng.generate(ids, max_new_tokens=24), eng.step.logits.float().cpu())
+    assert torch.equal(out["cuda"][0], out["packed"][0])
+    assert torch.allclose(out["cuda"][1], out["packed"][1], atol=1e-3 * float(out["packed"][1].abs().max()))
+
+
 def test_compiled_step_equals_eager_and_compiles_once_for_all_layers():
     """torch.compile of the per-layer pieces: the same tokens and logits as the eager step, and one
     graph per piece serves every layer (parameters are graph inputs, not constants)."""

@@ -20,6 +20,7 @@ H200 measurements and the analysis of this kernel's speed: ``docs/kernels.md``.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -222,7 +223,7 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     summaries : :class:`PagedSummaries` indexed by physical page id
     block_table : int32 ``[B, max_pages]``; seq_lens : int32 ``[B]`` (tokens per sequence)
     workspace : from :func:`score_workspace` (allocated here when omitted); ``workspace["kernel"]``
-        may pin ``"cuda"`` (:mod:`kvlocks.scoring.cuda_mma`), ``"packed"``
+        (or the environment variable ``KVLOCKS_SCORE_KERNEL``) may pin ``"cuda"`` (:mod:`kvlocks.scoring.cuda_mma`), ``"packed"``
         (:mod:`kvlocks.scoring.triton_packed`) or ``"mma"`` (the Triton three-dot kernel). By default
         the CUDA kernel runs where it is supported and compiled (half-precision queries, S = 16,
         R = 8), else the packed kernel where it measured faster (half precision, G <= 16, R = 8),
@@ -242,9 +243,10 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     g = hq // hkv
     max_pages = block_table.shape[1]
     ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device, head_dim=d)
-    choice = ws.get("kernel", "auto")
+    choice = ws.get("kernel") or os.environ.get("KVLOCKS_SCORE_KERNEL", "auto")
     if choice not in ("auto", "cuda", "packed", "mma"):
-        raise ValueError(f"workspace kernel {choice!r}: allowed 'auto', 'cuda', 'packed', 'mma'")
+        raise ValueError(f"score kernel {choice!r} (workspace['kernel'] or KVLOCKS_SCORE_KERNEL): "
+                         "allowed 'auto', 'cuda', 'packed', 'mma'")
     from kvlocks.scoring import cuda_mma, triton_packed  # noqa: PLC0415 (imports this module)
 
     if choice == "cuda" or (choice == "auto" and ws["ppp"] % cuda_mma.TILE == 0
