@@ -101,7 +101,7 @@ def time_shapes(tokens: int, out: str) -> None:
         ws_t["kernel"] = "packed"
         ref = [x.clone() for x in st.score_pages_paged(q, store, table, seq, workspace=ws_t)]
         emit(name="triton_packed", us=_time(lambda: st.score_pages_paged(q, store, table, seq, workspace=ws_t)))
-        for warps in (4, 2):
+        for warps in (4,):
             ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
             ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=ppp)
             fn = lambda ws=ws, warps=warps: cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps)  # noqa: E731
@@ -109,10 +109,6 @@ def time_shapes(tokens: int, out: str) -> None:
             errs = [float((x[..., :pc] - y[..., :pc]).abs().max()) for x, y in zip(got, ref)]
             emit(name="cuda_mma", warps=warps, ppp=ppp, us=_time(fn), max_err_vs_triton=errs)
             if warps == 4:
-                for cb in (128, 256):
-                    ws["combine_block"] = cb
-                    emit(name="cuda_mma", warps=warps, ppp=ppp, combine_block=cb, us=_time(fn))
-                ws.pop("combine_block")
                 emit(name="combine_only", us=_time(lambda: st._combine_launch(ws, seq, hkv, g, pc, 16, "mean_share")))
         emit(name="load_only", us=_time(lambda: _load_launch(store, table[0], hkv, pc, 16, 4, 512)))
 

@@ -219,38 +219,29 @@ struct alignas(16) CentroidSlot {
   int8_t cen[TILE][D];
 };
 
-// Copies group j of a tile (pages 4j..4j+3, ids in lanes 0-15 of `pid`) into `slot` (whole warp).
+// Copies group j of a tile (pages 4j..4j+3, ids in lanes 0-15 of `pid`) into `slot` (whole warp):
+// lanes 8i..8i+7 copy page i, so each lane computes one record address.
 template <int D>
 __device__ __forceinline__ void issue_group(GroupSlot<D>& slot, const Params& p, int pid, int j, int h, int lane) {
-  constexpr int CB = R * D / 2 / 16;  // 16-byte chunks of one page's basis
-#pragma unroll
-  for (int k = 0; k < 4 * CB / 32; ++k) {
-    const int idx = k * 32 + lane, i = idx / CB, off = idx % CB;
-    const int64_t ph = (int64_t)__shfl_sync(FULL, pid, 4 * j + i) * p.hkv + h;
-    cp_async16(slot.basis[i] + 16 * off, p.basis + ph * (R * D / 2) + 16 * off);
-  }
-  {  // coefficients: 8 chunks per page, lanes 8i..8i+7 for page i
-    const int i = lane >> 3, off = lane & 7;
-    const int64_t ph = (int64_t)__shfl_sync(FULL, pid, 4 * j + i) * p.hkv + h;
-    cp_async16(slot.coef[i] + 16 * off, p.coef + ph * (S * R) + 16 * off);
-  }
-  // coefficient scales (2 chunks per page, lanes 0-7) and basis scales (1 chunk, lanes 8-11)
-  const int i = lane < 8 ? lane >> 1 : (lane - 8) & 3;
+  constexpr int CB = R * D / 2 / 16;  // 16-byte chunks of one page's basis (32 or 16)
+  const int i = lane >> 3, q = lane & 7;
   const int64_t ph = (int64_t)__shfl_sync(FULL, pid, 4 * j + i) * p.hkv + h;
-  if (lane < 8) cp_async16(slot.cs[i] + 8 * (lane & 1), reinterpret_cast<const uint16_t*>(p.cscale) + ph * S + 8 * (lane & 1));
-  else if (lane < 12) cp_async16(slot.bs[i], reinterpret_cast<const uint16_t*>(p.bscale) + ph * R);
+  const uint8_t* src = p.basis + ph * (R * D / 2) + 16 * q;
+#pragma unroll
+  for (int k = 0; k < CB / 8; ++k) cp_async16(slot.basis[i] + 16 * q + 128 * k, src + 128 * k);
+  cp_async16(slot.coef[i] + 16 * q, p.coef + ph * (S * R) + 16 * q);  // 8 chunks per page
+  if (q < 2) cp_async16(slot.cs[i] + 8 * q, reinterpret_cast<const uint16_t*>(p.cscale) + ph * S + 8 * q);
+  else if (q == 2) cp_async16(slot.bs[i], reinterpret_cast<const uint16_t*>(p.bscale) + ph * R);
 }
 
-// Copies the centroids of a tile's 16 pages into `slot` (whole warp).
+// Copies the centroids of a tile's 16 pages into `slot` (whole warp): lanes 2i, 2i + 1 copy page i.
 template <int D>
 __device__ __forceinline__ void issue_centroids(CentroidSlot<D>& slot, const Params& p, int pid, int h, int lane) {
-  constexpr int CC = D / 16;  // 16-byte chunks per centroid
+  constexpr int CC = D / 16;  // 16-byte chunks per centroid (8 or 4)
+  const int i = lane >> 1, q = lane & 1;
+  const int64_t ph = (int64_t)__shfl_sync(FULL, pid, i) * p.hkv + h;
 #pragma unroll
-  for (int k = 0; k < TILE * CC / 32; ++k) {
-    const int idx = k * 32 + lane, i = idx / CC, off = idx % CC;
-    const int64_t ph = (int64_t)__shfl_sync(FULL, pid, i) * p.hkv + h;
-    cp_async16(slot.cen[i] + 16 * off, p.cen + ph * D + 16 * off);
-  }
+  for (int k = 0; k < CC / 2; ++k) cp_async16(slot.cen[i] + 16 * (2 * k + q), p.cen + ph * D + 16 * (2 * k + q));
 }
 
 __device__ __forceinline__ float half_bits(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)x)); }
@@ -431,10 +422,11 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
   GroupSlot<D>* gslot = gslots[warp];
   CentroidSlot<D>* cslot = cslots[warp];
   int t0 = start + warp * TILE;
-  int pid = 0;
+  int pid = 0, pid_n1 = 0;  // page ids of this warp's current and next tile (loaded a tile ahead)
   float sa = 0.f, sb = 0.f;
   if (t0 < end) {  // the first copies overlap the query set-up
     pid = tile_ids(t0);
+    pid_n1 = tile_ids(t0 + WARPS * TILE);
     issue_centroids(cslot[0], p, pid, h, lane);
     issue_group(gslot[0], p, pid, 0, h, lane);
     cp_async_commit();
@@ -511,7 +503,8 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
       const int t_next = t0 + WARPS * TILE;
       const bool more = t_next < end;
       const int ng = min(4, (end - t0 + 3) >> 2);  // groups of this tile with a page to score
-      const int pid_next = more ? tile_ids(t_next) : 0;
+      const int pid_next = pid_n1;
+      const int pid_n2 = tile_ids(t_next + WARPS * TILE);  // used a tile from now: no wait here
       float sa_next = 0.f, sb_next = 0.f;
       if (more) cen_scales(pid_next, sa_next, sb_next);
       float cq[NT][4];
@@ -553,6 +546,7 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
       if (!more) break;
       t0 = t_next;
       pid = pid_next;
+      pid_n1 = pid_n2;
       sa = sa_next;
       sb = sb_next;
       ++tile;
