@@ -162,7 +162,7 @@ def test_packed_score_kernel_ptx_unpack_matches_reference():
     for g, d in ((1, 128), (2, 64), (3, 128), (4, 128), (8, 128), (16, 64)):
         q, k, _, table, seq = make_paged(LENS["b"], 2, g, d, BF16)
         store = built_store(k, table, seq, LocksConfig())
-        assert triton_packed.supports(q, g, 8)  # what score_pages dispatches to on CUDA
+        assert triton_packed.supports(q, g, 8)  # what score_pages runs on CUDA without the CUDA kernel
         got = triton_packed.score_pages_packed(q, store, table, seq, unpack=2)
         exp = score_pages(q, store, table, seq, backend="torch")
         _assert_scores_match(got, exp, seq)

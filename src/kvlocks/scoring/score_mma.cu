@@ -6,15 +6,19 @@
 // Layout of the summary store: docs/layout.md (int4 basis [P, Hkv, R, D/2], int8 coefficients
 // [P, Hkv, S, R] and centroids [P, Hkv, D], float16 scales). S = 16, R = 8, D = 64 or 128, G <= 16.
 //
-// Each warp scores 16 pages per iteration, two pages per projection step:
+// Each warp takes tiles of 16 pages (tiles interleaved across the block's warps) in groups of four;
+// a group's summary bytes are copied into shared memory with cp.async while the previous group is
+// computed (page ids are loaded a tile ahead). Per group, two pages per projection step:
 //
 // 1. projections: mma m16n8k16 with A = the int4 basis rows of a page pair (rows 0-7 page a,
-//    8-15 page b), B = the queries (N = 8 heads per n-tile). Every thread loads D/8 contiguous
+//    8-15 page b), B = the queries (N = 8 heads per n-tile). Every lane reads D/8 contiguous
 //    bytes of one basis row, and the contraction index k is mapped to head-dim positions so that
-//    those bytes land in the A fragment with no data movement: nibbles become float16 with one
-//    lop3 and one half2 subtraction per two values (exact). High nibbles are kept at 16x their
-//    value (exact) and the queries at those positions are divided by 16 (exact, power of two).
-//    The queries are scaled by a power of two into float16's range once per program.
+//    those bytes are the lane's A fragment with no data movement: a nibble n becomes the float16
+//    subnormal (n + 8) 2^-24 by one lop3 per two values (exact); the +8 adds 8 sum(q) 2^-24 to
+//    every projection, computed once per program by the same MMA and subtracted in float32. High
+//    nibbles are kept at 16x their value (exact) and the queries at those positions are divided
+//    by 16 (exact, power of two). The queries are scaled by a power of two into float16's range
+//    once per program.
 // 2. the projections times the basis scales, split into float16 hi + lo parts (no precision lost),
 //    transposed in registers (movmatrix) into the B fragment of mma m16n8k8 with A = the page's
 //    int8 coefficients [S = 16, R = 8]: the within-page logits, in the accumulator layout.
@@ -105,18 +109,9 @@ __device__ __forceinline__ float fast_log2(float x) {
 
 __device__ __forceinline__ float half_at(const __half* p) { return __half2float(__ldg(p)); }
 
-// Eight int4 (one 32-bit word, element 2i in the low nibble of byte i) -> four half2 registers:
-// x0 = (e0, e4), x1 = 16 (e1, e5), x2 = (e2, e6), x3 = 16 (e3, e7). Exact.
-__device__ __forceinline__ void int4_word_to_half2(uint32_t w, uint32_t (&x)[4]) {
-  const uint32_t w8 = w >> 8;
-  x[0] = hsub2(and_xor(w, 0x000F000Fu, 0x64086408u), 0x64086408u);   // 1024 + (n ^ 8) - 1032 = n
-  x[1] = hsub2(and_xor(w, 0x00F000F0u, 0x64806480u), 0x64806480u);   // 1024 + 16 (n ^ 8) - 1152 = 16 n
-  x[2] = hsub2(and_xor(w8, 0x000F000Fu, 0x64086408u), 0x64086408u);
-  x[3] = hsub2(and_xor(w8, 0x00F000F0u, 0x64806480u), 0x64806480u);
-}
-
-// The same positions with no subtraction: x0 = (e0 + 8, e4 + 8) 2^-24, x1 = 16 (e1 + 8, e5 + 8) 2^-24,
-// ... as float16 subnormals (exact). The +8 offset contributes 8 sum_d q[d] 2^-24 to every
+// Eight int4 (one 32-bit word, element 2i in the low nibble of byte i) -> four half2 registers of
+// float16 subnormals, exact: x0 = (e0 + 8, e4 + 8) 2^-24, x1 = 16 (e1 + 8, e5 + 8) 2^-24,
+// x2 = (e2 + 8, e6 + 8) 2^-24, x3 = 16 (e3 + 8, e7 + 8) 2^-24 (one lop3 per register). The +8 offset contributes 8 sum_d q[d] 2^-24 to every
 // projection, which the caller subtracts once per program (Warp::off).
 __device__ __forceinline__ void int4_word_to_subnormal(uint32_t w, uint32_t (&x)[4]) {
   const uint32_t w8 = w >> 8;
@@ -127,7 +122,7 @@ __device__ __forceinline__ void int4_word_to_subnormal(uint32_t w, uint32_t (&x)
 }
 
 // Eight int8 (words w0 = e0..e3, w1 = e4..e7) -> x0 = (e0, e4), x1 = 16 (e1, e5), x2 = (e2, e6),
-// x3 = 16 (e3, e7): the same positions as int4_word_to_half2, so both share the query fragments.
+// x3 = 16 (e3, e7): the same positions as int4_word_to_subnormal, so both share the query fragments.
 __device__ __forceinline__ void int8_words_to_half2(uint32_t w0, uint32_t w1, uint32_t (&x)[4]) {
   const uint32_t u0 = w0 ^ 0x80808080u, u1 = w1 ^ 0x80808080u;  // offset binary: e + 128
   const uint32_t t0 = prmt(u0, u1, 0x5140u), t1 = prmt(u0, u1, 0x7362u);  // (e0 e4 e1 e5), (e2 e6 e3 e7)

@@ -1,7 +1,8 @@
 """Page scoring (Eq. 4) for GQA groups up to 8: the "packed" score kernel.
 
 Same inputs, outputs and combine step as :func:`kvlocks.scoring.triton.score_pages_paged`, which
-dispatches here on CUDA for half-precision queries, G <= 8 and rank 8. Per step of BLOCK pages:
+dispatches here on CUDA for half-precision queries, G <= 16 and rank 8 when the CUDA kernel
+(:mod:`kvlocks.scoring.cuda_mma`) is not available. Per step of BLOCK pages:
 
 - the basis tile is ``[BLOCK * R, D / 2]`` bytes (no padded rows) and the projection is two
   float16 tensor-core dots with K = D / 2: low nibbles (even elements) against q's even half,
