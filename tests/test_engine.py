@@ -319,3 +319,31 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="batch"):
         eng.prefill(torch.zeros(2, 10, dtype=torch.long))
     assert EngineConfig.from_json(EngineConfig(method="dense").to_json()) == EngineConfig(method="dense")
+
+
+def test_auto_method_picks_dense_below_and_locks_from_its_threshold():
+    """method="auto": a prompt shorter than auto_min_context decodes exactly like method="dense"
+    (and builds no summaries), one at least as long exactly like method="locks"."""
+    model = _tiny("llama3.1-8b", seed=2)
+    ids = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(1))
+    cfg = dict(locks=LocksConfig(budget=48), max_context=128)
+    ref = {m: DecodeEngine(model, EngineConfig(method=m, **cfg)).generate(ids, max_new_tokens=12)
+           for m in ("dense", "locks")}
+    assert not torch.equal(ref["dense"], ref["locks"])  # the budget is small enough to change tokens
+    for threshold, expect in ((101, "dense"), (100, "locks")):
+        eng = DecodeEngine(model, EngineConfig(method="auto", auto_min_context=threshold, **cfg))
+        assert torch.equal(eng.generate(ids, max_new_tokens=12), ref[expect]), threshold
+        assert eng.method == expect
+    # one engine, prompts on both sides of the threshold: each prefill picks again
+    eng = DecodeEngine(model, EngineConfig(method="auto", auto_min_context=80, **cfg))
+    assert torch.equal(eng.generate(ids, max_new_tokens=12), ref["locks"]) and eng.method == "locks"
+    short = ids[:, :60]
+    dense_short = DecodeEngine(model, EngineConfig(method="dense", **cfg)).generate(short, max_new_tokens=12)
+    assert torch.equal(eng.generate(short, max_new_tokens=12), dense_short) and eng.method == "dense"
+
+
+def test_auto_min_context_must_be_a_non_negative_int():
+    with pytest.raises(ValueError, match="auto_min_context"):
+        EngineConfig(method="auto", auto_min_context=-1)
+    with pytest.raises(ValueError, match="method"):
+        EngineConfig(method="sometimes")

@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from kvlocks._config_io import ConfigIO, check_int
 from kvlocks.config import LocksConfig
 
-METHODS = ("locks", "dense")
+METHODS = ("locks", "dense", "auto")
+# auto: the context from which LOCKS decodes faster than dense on the H200 (GLM-4-9B shape, budget
+# 2048: 0.96x at 32K, 1.06x at 64K; docs/benchmarks.md, session 6)
+AUTO_MIN_CONTEXT = 49152
 BACKENDS = ("torch", "triton")
 
 
@@ -18,7 +21,11 @@ class EngineConfig(ConfigIO):
     Parameters
     ----------
     method : ``"locks"`` (score summaries, select ``budget`` tokens per layer and KV head, attend
-        those) or ``"dense"`` (attend every token: the split-KV kernel over all pages on CUDA)
+        those), ``"dense"`` (attend every token: the split-KV kernel over all pages on CUDA) or
+        ``"auto"``: LOCKS for prompts of at least ``auto_min_context`` tokens, dense below (where
+        dense is as fast or faster), decided once per prefill; summaries are built only for LOCKS
+    auto_min_context : (auto) the prompt length from which LOCKS is used; the default is the
+        crossover measured on the H200 (GLM-4-9B shape, budget 2048), other models and GPUs differ
     locks : LocksConfig (page size, budget, summary settings; int4 basis / int8 coefficients)
     batch : B, sequences decoded together (prompts of equal length, no padding)
     max_context : tokens per sequence the static cache holds (prompt + generated)
@@ -40,6 +47,7 @@ class EngineConfig(ConfigIO):
     cuda_graph: bool | None = None
     overlap_build: bool = True
     compile: bool = False
+    auto_min_context: int = AUTO_MIN_CONTEXT
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,6 +64,7 @@ class EngineConfig(ConfigIO):
         check_int("EngineConfig", "batch", self.batch, 1, 4096)
         check_int("EngineConfig", "max_context", self.max_context, 2, 1 << 26)
         check_int("EngineConfig", "prefill_chunk", self.prefill_chunk, 1)
+        check_int("EngineConfig", "auto_min_context", self.auto_min_context, 0)
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
         if self.cuda_graph not in (None, True, False):

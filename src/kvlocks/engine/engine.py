@@ -46,19 +46,34 @@ class DecodeEngine:
         self.cache = StaticPagedCache(
             layers=p.num_layers, batch=config.batch, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
             max_context=config.max_context, config=config.locks, dtype=p.dtype, device=p.device,
-            summaries=config.method == "locks",
+            summaries=config.method != "dense",
         )
-        self.step = DecodeStep(p, self.cache, method=config.method, backend=self.backend, compile=config.compile)
+        self._steps: dict[str, DecodeStep] = {}
+        self._runners: dict[str, StepRunner] = {}
         self.runner: StepRunner | None = None
         self.pending_build: PrefillBuild | None = None
+        # the method decoding now; "auto" picks one at each prefill (dense until then)
+        self.method = "dense" if config.method == "auto" else config.method
+        self._use(self.method)
+
+    def _use(self, method: str) -> None:
+        """Make ``method``'s decode step (and its CUDA graph, once captured) the current one."""
+        if method not in self._steps:
+            self._steps[method] = DecodeStep(self.parts, self.cache, method=method, backend=self.backend,
+                                             compile=self.config.compile)
+        self.method, self.step = method, self._steps[method]
+        self.runner = self._runners.get(method)
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Dense prefill of ``input_ids [B, T]`` and (locks) the summaries of every full page, built
         layer by layer during the prefill (overlapped on CUDA; :mod:`kvlocks.engine.overlap`). Sets
         the first token to feed to the prefill's greedy token; returns logits ``[B, V]``. The first
-        :meth:`decode` step waits for the builds on the device, not the host."""
+        :meth:`decode` step waits for the builds on the device, not the host. With ``method="auto"``
+        the prompt's length picks LOCKS or dense for the decode steps that follow."""
+        if self.config.method == "auto":
+            self._use("locks" if input_ids.shape[1] >= self.config.auto_min_context else "dense")
         build = None
-        if self.config.method == "locks":
+        if self.method == "locks":
             build = PrefillBuild(self.cache, input_ids.shape[1], backend=self.backend,
                                  overlap=self.config.overlap_build)
         with build.prefill_stream() if build is not None else contextlib.nullcontext():
@@ -76,7 +91,7 @@ class DecodeEngine:
             self.pending_build.finish()
             self.pending_build = None
         if self.runner is None:
-            self.runner = StepRunner(self.step, use_graph=self.use_graph)
+            self.runner = self._runners[self.method] = StepRunner(self.step, use_graph=self.use_graph)
         out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.parts.device)
         for i in range(steps):
             self.runner()
