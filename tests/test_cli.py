@@ -48,3 +48,26 @@ def test_bench_options_build_configs():
     bench, args = _bench_args(["kernels", "--out", "x", "--shapes", "gpt2"])
     with pytest.raises(ValueError, match="gpt2"):
         bench._kernels_config(args)
+
+
+def test_generate_with_the_engine_equals_the_hf_path(capsys):
+    """--engine dense gives the Hugging Face full-attention path's greedy text; --engine auto with a
+    threshold above the prompt picks dense."""
+    args = ["--max-new-tokens", "5", "--prompt", "Name three colours of the rainbow.", "--json"]
+    assert main(["generate", "--method", "full", *args]) == 0
+    hf = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["generate", "--engine", "dense", *args]) == 0
+    eng = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert eng["text"] == hf["text"] and eng["method"] == "dense" and eng["backend"] == "torch"
+    assert main(["generate", "--engine", "auto", "--auto-min-context", "100000", *args]) == 0
+    auto = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert auto["method"] == "dense" and auto["text"] == hf["text"]
+
+
+def test_generate_engine_rejects_options_it_does_not_take(capsys):
+    assert main(["generate", "--engine", "locks", "--sample", "--prompt", "x"]) == 2
+    assert "--sample" in capsys.readouterr().err
+    assert main(["generate", "--engine", "locks", "--method", "quest", "--prompt", "x"]) == 2
+    assert "--method" in capsys.readouterr().err
+    assert main(["generate", "--auto-min-context", "5", "--prompt", "x"]) == 2
+    assert "--engine auto" in capsys.readouterr().err

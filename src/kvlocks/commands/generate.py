@@ -9,13 +9,20 @@ import torch
 
 from kvlocks.commands._common import add_model_args, bytes_line, load_model
 
+ENGINE_METHODS = ("locks", "dense", "auto")
+
 
 def add_parser(sub) -> None:
     from kvlocks.integrations.hf import method_names
 
     p = sub.add_parser("generate", help="generate with a LOCKS cache and report bytes read")
     add_model_args(p)
-    p.add_argument("--method", default="locks", choices=method_names())
+    p.add_argument("--method", default=None, choices=method_names(), help="selector of the Hugging Face path "
+                   "(default locks)")
+    p.add_argument("--engine", choices=ENGINE_METHODS, default=None,
+                   help="greedy decode with the static-cache engine instead (one CUDA graph per step on CUDA; "
+                        "locks, dense, or auto: LOCKS from --auto-min-context prompt tokens, dense below)")
+    p.add_argument("--auto-min-context", type=int, default=None, help="with --engine auto (default: 49152)")
     p.add_argument("--budget", type=int, default=256, help="tokens attended per layer and KV head")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--basis-bits", type=int, default=4)
@@ -41,6 +48,14 @@ def run(args) -> int:
     config = LocksConfig(budget=args.budget, rank=args.rank, basis_bits=args.basis_bits, combine=args.combine)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
+    if args.engine is not None:
+        conflicts = [name for name, given in (("--method", args.method is not None), ("--cache", args.cache is not None),
+                                              ("--sample", args.sample)) if given]
+        if conflicts:
+            raise ValueError(f"--engine decodes greedily with its own method: drop {', '.join(conflicts)}")
+    elif args.auto_min_context is not None:
+        raise ValueError("--auto-min-context applies to --engine auto only")
+    args.method = args.method or "locks"
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     if not prompt.strip():
         raise ValueError("the prompt is empty")
@@ -49,6 +64,8 @@ def run(args) -> int:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+    if args.engine is not None:
+        return _run_engine(args, model, tok, enc.input_ids, config)
     inputs, prefix = dict(enc), None
     if args.cache is not None:  # continue after a compacted prefix: positions start at its T
         from kvlocks.compaction.serve import continuation_inputs, open_cache
@@ -76,6 +93,30 @@ def run(args) -> int:
         head = "" if prefix is None else (
             f"after the {prefix['compaction']} prefix of {prefix['T']} tokens ({prefix['t']} entries); ")
         print(f"\n[{args.method}] {head}prompt {enc.input_ids.shape[1]} tokens; {line}")
+    return 0
+
+
+def _run_engine(args, model, tok, ids, config) -> int:
+    """Greedy decode with :class:`kvlocks.engine.DecodeEngine` (batch 1) and report its speed."""
+    import time
+
+    from kvlocks.engine import DecodeEngine, EngineConfig
+
+    extra = {} if args.auto_min_context is None else {"auto_min_context": args.auto_min_context}
+    eng = DecodeEngine(model, EngineConfig(method=args.engine, locks=config, max_context=ids.shape[1] + args.max_new_tokens,
+                                           **extra))
+    t0 = time.perf_counter()
+    out = eng.generate(ids, max_new_tokens=args.max_new_tokens)
+    seconds = time.perf_counter() - t0
+    text = tok.decode(out[0], skip_special_tokens=True)
+    info = {"engine": args.engine, "method": eng.method, "backend": eng.backend, "cuda_graph": eng.use_graph,
+            "prompt_tokens": ids.shape[1], "new_tokens": args.max_new_tokens, "seconds": seconds}
+    if args.json:
+        print(json.dumps({**info, "config": json.loads(config.to_json()), "text": text}))
+    else:
+        print(text)
+        print(f"\n[engine {args.engine}: {eng.method}, {eng.backend}{', CUDA graph' if eng.use_graph else ''}] prompt "
+              f"{ids.shape[1]} tokens; {args.max_new_tokens} new tokens in {seconds:.2f} s (prefill included)")
     return 0
 
 
