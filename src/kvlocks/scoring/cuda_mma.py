@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 import warnings
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -32,9 +33,15 @@ _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _state: dict = {}
 
 
-def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+@lru_cache(maxsize=None)
+def _arch_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
+
+
+def _arch(device: torch.device) -> str:
+    """``sm_XY`` of a CUDA device (cached: this runs on every scoring call)."""
+    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _library(device) -> ctypes.CDLL:
