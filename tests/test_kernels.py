@@ -243,6 +243,82 @@ def test_select_adapter_same_signature():
         assert torch.equal(sel_tri.select_top_pages(r, total, k), exp)
 
 
+FUSED_CASES = [  # (token counts, G, combine rule, pages per program or None = default, k, sink, recent, sink_start)
+    ("c", 4, "mean_share", None, 6, 1, 1, False), ("c", 3, "max_share", 32, 9, 2, 2, True),
+    ("d", 8, "sum_mass", 64, 20, 1, 1, False), ("b", 16, "mean_share", 16, 3, 0, 1, False),
+    ("d", 1, "mean_share", None, 300, 1, 1, False),
+]
+
+
+@pytest.mark.parametrize("lens,g,rule,chunk,k,sink,recent,with_ss", FUSED_CASES)
+def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent, with_ss):
+    """The fused combine + selection: ranking and LSE against the reference combine of the same
+    scores, pages exactly the reference selection of its ranking (and of the reference ranking, on
+    this tie-free data); the per-row counters are left at zero, so a second call agrees."""
+    from kvlocks.selection import fused
+
+    cfg = LocksConfig(budget=64)
+    q, k_, v, table, seq = make_paged(LENS[lens], 2, g, 64, F32, seed=7)
+    store = built_store(k_, table, seq, cfg)
+    bsz, max_pages = len(seq), table.shape[1]
+    ss = torch.tensor([1, 0, 2][:bsz], dtype=torch.int32, device=DEV) if with_ss else None
+    sw = score_tri.score_workspace(bsz, 2, g, max_pages, DEV)
+    _, none_lse, none_rank = score_tri.score_pages_paged(q, store, table, seq, combine=rule, workspace=sw, rank=False)
+    assert none_lse is None and none_rank is None
+    fw = fused.fused_workspace(bsz, 2, max_pages, k, DEV, chunk=chunk)
+    sel = dict(page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
+    got = fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).clone()
+    _, lse, ranking = score_pages(q, store, table, seq, combine=rule, backend="torch")
+    for b, n in enumerate(LENS[lens]):
+        pc = n // S
+        assert torch.allclose(sw["ranking"][b, :, :pc].cpu(), ranking[b, :, :pc].cpu(), rtol=1e-5, atol=1e-30)
+        assert torch.allclose(sw["lse"][b].cpu(), lse[b].cpu(), atol=1e-4) or pc == 0
+    assert torch.equal(got.cpu(), select_pages(sw["ranking"], seq, backend="torch", **sel).cpu())
+    assert torch.equal(got.cpu(), select_pages(ranking, seq, backend="torch", **sel).cpu())
+    assert int(fw["done"].abs().sum()) == 0
+    assert torch.equal(fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).cpu(), got.cpu())
+
+
+@pytest.mark.parametrize("chunk", [16, 64, None])
+def test_rank_and_select_breaks_ties_by_page_index(chunk):
+    """Hand-made scores with many exact ties (and statistics of one score program): the fused
+    kernel picks exactly what the reference selection picks from the same ranking."""
+    from kvlocks.selection import fused
+
+    gen = torch.Generator().manual_seed(11)
+    bsz, hkv, g, pages, k = 2, 3, 4, 200, 10
+    seq = torch.tensor([pages * S, 150 * S + 7], dtype=torch.int32)
+    sw = score_tri.score_workspace(bsz, hkv, g, pages, "cpu", pages_per_program=pages)
+    scores = (torch.rand(bsz, hkv, g, pages, generator=gen) * 3).floor() - 40.0  # three levels per head
+    sw["scores"].copy_(scores)
+    s2 = scores * score_tri.LOG2E
+    m = s2.amax(-1)
+    sw["stats"].zero_()
+    sw["stats"][:, 0, 0, :g] = m.reshape(bsz * hkv, g)
+    sw["stats"][:, 0, 1, :g] = torch.exp2(s2 - m[..., None]).sum(-1).reshape(bsz * hkv, g)
+    sw = {key: t.to(DEV) if isinstance(t, torch.Tensor) else t for key, t in sw.items()}
+    fw = fused.fused_workspace(bsz, hkv, pages, k, DEV, chunk=chunk)
+    got = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=fw)
+    exp = select_pages(sw["ranking"], seq.to(DEV), page_size=S, k=k, backend="torch")
+    assert torch.equal(got.cpu(), exp.cpu())
+    assert len(torch.unique(sw["ranking"][0, 0])) <= 81  # ties are real: at most 3^4 distinct rankings
+
+
+def test_rank_and_select_rejects_bad_arguments():
+    from kvlocks.selection import fused
+
+    sw = score_tri.score_workspace(1, 2, 4, 8, DEV)
+    seq = torch.tensor([64], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="combine rule"):
+        fused.rank_and_select(sw, seq, page_size=S, k=4, combine="median")
+    with pytest.raises(ValueError, match="k=1"):
+        fused.rank_and_select(sw, seq, page_size=S, k=1, sink_pages=1, recent_pages=1)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        fused.rank_and_select(sw, seq.long(), page_size=S, k=4)
+    with pytest.raises(ValueError, match="workspace is for output"):
+        fused.rank_and_select(sw, seq, page_size=S, k=4, workspace=fused.fused_workspace(1, 2, 8, 5, DEV))
+
+
 @pytest.mark.parametrize("lens,g,d,dtype,k", [
     ("a", 1, 64, F32, 2), ("b", 3, 128, BF16, 2), ("c", 4, 64, F16, 3), ("d", 8, 128, BF16, 5),
     ("c", 16, 128, F32, 64),

@@ -133,7 +133,8 @@ class DecodePlan:
     """Buffers and launch sizes for one decode step of a batch: plan once, ``run`` per layer.
 
     ``run`` scores every full page, selects ``k = config.pages_per_step`` pages per
-    (sequence, KV head) and attends them, writing into buffers owned by the plan: no allocation
+    (sequence, KV head) and attends them (Triton backend: the score kernel, then the combine and
+    the selection fused in one launch, :mod:`kvlocks.selection.fused`, then the split-KV attention), writing into buffers owned by the plan: no allocation
     and no host synchronisation, so a whole step can be captured in a CUDA graph (Triton backend).
 
     Parameters
@@ -154,21 +155,31 @@ class DecodePlan:
         if self.backend == "triton":
             from kvlocks.attention.triton import attention_workspace
             from kvlocks.scoring.triton import score_workspace
-            from kvlocks.selection.triton import select_workspace
+            from kvlocks.selection.fused import fused_workspace
 
             rows = batch * num_kv_heads
             self.ws = {
                 "score": score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim),
-                "select": select_workspace(batch, num_kv_heads, max_pages, self.k, device),
+                "select": fused_workspace(batch, num_kv_heads, max_pages, self.k, device),
                 "attend": attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device),
             }
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
         c, be = self.config, self.backend
-        _, _, ranking = score_pages(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
-                                    backend=be, workspace=self.ws.get("score"))
-        self.pages = select_pages(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
-                                  recent_pages=c.recent_pages, backend=be, workspace=self.ws.get("select"))
+        if be == "triton":  # score kernel, then combine + selection fused in one launch
+            from kvlocks.scoring.triton import score_pages_paged
+            from kvlocks.selection.fused import rank_and_select
+
+            score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                              workspace=self.ws["score"], rank=False)
+            self.pages = rank_and_select(self.ws["score"], seq_lens, page_size=c.page_size, k=self.k,
+                                         combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
+                                         workspace=self.ws["select"])
+        else:
+            _, _, ranking = score_pages(queries, summaries, block_table, seq_lens, scale=self.scale,
+                                        combine=c.combine, backend=be)
+            self.pages = select_pages(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
+                                      recent_pages=c.recent_pages, backend=be)
         return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
                             backend=be, workspace=self.ws.get("attend"))

@@ -8,6 +8,13 @@ every page of the context, for every layer of the model (batch 1). Bytes are cou
 each kernel must read (see docs/kernels.md); ``pct_copy_bw`` compares the achieved rate with a
 device-to-device copy (read + write bytes) measured in the same run.
 
+The LOCKS step is the decode plan's: ``locks_score`` is the score kernel alone (per-head scores and
+statistics), ``locks_select`` the fused combine + selection (:mod:`kvlocks.selection.fused`; it
+reads the per-head scores), ``locks_attend`` the split-KV attention over the chosen pages. Until
+session 6, ``locks_score`` included the combine pass and ``locks_select`` read the ranking; that
+path is still timed as ``x_select_unfused`` (combine + two-launch selection) at the largest
+context.
+
 Writes ``DIR/summary.json`` (config, device, versions, copy bandwidth, rows) and
 ``DIR/rows.jsonl`` (one record per measurement, appended as it is made).
 """
@@ -179,10 +186,11 @@ def _bytes(case, k_pages):
     rows = case.bsz * case.hkv
     kv_page = case.lcfg.page_size * case.d * 2 * 2  # K + V, bf16
     summ = rows * case.p * case.store.bytes_per_page_head()
-    select = rows * case.p * 4
+    select = rows * case.p * 4 * case.g  # the per-head scores (the fused combine + selection reads them)
     attend = rows * k_pages * kv_page
     variants = {name: summ for name in SCORE_VARIANTS}
     return {**variants, "x_score_combine": rows * case.p * 4 * (case.g + 1), "x_launch_floor": 4,
+            "x_select_unfused": rows * case.p * 4 * (case.g + 1), "x_select_ranked": rows * case.p * 4,
             "x_splitk_ppi8_nw8": rows * case.p * kv_page,
             "dense_sdpa": rows * case.p * kv_page, "dense_splitk": rows * case.p * kv_page, "locks_score": summ,
             "locks_select": select, "locks_attend": attend, "locks_total": summ + select + attend}
@@ -192,16 +200,20 @@ def _methods(case, device):
     """Callables ``fn(rotation)`` per method, sharing one plan's buffers."""
     from kvlocks.attention.triton import attention_workspace, identity_pages, paged_decode
     from kvlocks.scoring.triton import score_pages_paged
-    from kvlocks.selection.triton import select_pages_paged
+    from kvlocks.selection.fused import rank_and_select
+    from kvlocks.selection.triton import select_pages_paged, select_workspace
 
     plan = DecodePlan(batch=case.bsz, num_kv_heads=case.hkv, group=case.g, head_dim=case.d, max_pages=case.p,
                       config=case.lcfg, dtype=torch.bfloat16, device=device, backend="triton")
     c, k = case.lcfg, case.lcfg.pages_per_step
-    rankings, lists = [], []
+    sel = dict(page_size=c.page_size, k=k, sink_pages=c.sink_pages, recent_pages=c.recent_pages)
+    unfused_ws = select_workspace(case.bsz, case.hkv, case.p, k, device)
+    rankings, lists, scored = [], [], []
     for r in range(case.n_rot):  # realistic inputs for select/attend: the real score/select outputs
         _, _, rk = score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=plan.ws["score"])
         rankings.append(rk.clone())
-        lists.append(select_pages_paged(rk, case.seq, page_size=c.page_size, k=k, workspace=plan.ws["select"]).clone())
+        scored.append({**plan.ws["score"], **{n: plan.ws["score"][n].clone() for n in ("scores", "stats", "lse", "ranking")}})
+        lists.append(select_pages_paged(rk, case.seq, workspace=unfused_ws, **sel).clone())
     ident = identity_pages(case.bsz, case.hkv, case.p, device)
     dense_ws = attention_workspace(case.bsz, case.hkv * case.g, case.d, case.p, case.bsz * case.hkv,
                                    torch.bfloat16, device)
@@ -218,9 +230,15 @@ def _methods(case, device):
     dense8 = attention_workspace(case.bsz, case.hkv * case.g, case.d, case.p, case.bsz * case.hkv,
                                  torch.bfloat16, device, ppi=8)
     dense8["launch"] = {"num_warps": 8, "num_stages": 2}
+    def unfused(r):  # session 6's path: combine pass, then the two-launch selection
+        _combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size, c.combine)
+        return select_pages_paged(sw["ranking"], case.seq, workspace=unfused_ws, **sel)
+
     extras = {  # diagnostics for docs/kernels.md: the combine pass alone, one empty launch, variants
         "x_score_combine": lambda r: _combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size,
                                                      c.combine),
+        "x_select_unfused": unfused,
+        "x_select_ranked": lambda r: select_pages_paged(rankings[r], case.seq, workspace=unfused_ws, **sel),
         "x_launch_floor": lambda r: empty.add_(1.0),
         **{name: (lambda r, w=w: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=w))
            for name, w in variants.items()},
@@ -232,9 +250,9 @@ def _methods(case, device):
         "dense_splitk": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
                                                workspace=dense_ws),
         "locks_score": lambda r: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq,
-                                                   workspace=plan.ws["score"]),
-        "locks_select": lambda r: select_pages_paged(rankings[r], case.seq, page_size=c.page_size, k=k,
-                                                     workspace=plan.ws["select"]),
+                                                   workspace=plan.ws["score"], rank=False),
+        "locks_select": lambda r: rank_and_select(scored[r], case.seq, combine=c.combine,
+                                                  workspace=plan.ws["select"], **sel),
         "locks_attend": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, lists[r],
                                                workspace=plan.ws["attend"]),
         "locks_total": lambda r: plan.run(case.q[r], case.kc, case.vc, case.store, case.tables[r], case.seq),

@@ -109,9 +109,9 @@ def pages_per_program(max_pages: int, rows: int, device, head_dim: int = 128, gr
 
 def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
-                    workspace: dict | None = None, warps: int = WARPS):
+                    workspace: dict | None = None, warps: int = WARPS, rank: bool = True):
     """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`."""
-    from kvlocks.scoring.triton import LOG2E, _combine_launch, score_workspace  # noqa: PLC0415 (cycle)
+    from kvlocks.scoring.triton import LOG2E, finish_scores, score_workspace  # noqa: PLC0415 (cycle)
 
     bsz, hq, d = queries.shape
     hkv = summaries.num_kv_heads
@@ -145,5 +145,4 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
     if err:
         reason = "unsupported head_dim/group/warps" if err == -1 else lib.kvlocks_error_string(err).decode()
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")
-    _combine_launch(ws, seq_lens, hkv, g, max_pages, summaries.page_size, combine)
-    return ws["scores"], ws["lse"], ws["ranking"]
+    return finish_scores(ws, seq_lens, hkv, g, max_pages, summaries.page_size, combine, rank)

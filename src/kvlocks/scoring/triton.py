@@ -131,18 +131,12 @@ _score_mma_tuned = triton.autotune(_MMA_CONFIGS, key=["Hkv", "G", "D", "R", "pag
 
 
 @triton.jit
-def _combine_kernel(scores_ptr, stats_ptr, seqlen_ptr, ranking_ptr, lse_ptr, Hkv, G, max_pages, n_chunks,
-                    pages_per_prog, S: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr,
-                    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_c = tl.program_id(0)
-    row = tl.program_id(1)
-    b = row // Hkv
-    pc = tl.load(seqlen_ptr + b) // S
+def row_lse2(stats_ptr, row, n_chunks, GP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each head's log2-sum-exp over all pages of ``row`` (``[GP]``, -inf where a head has no page)
+    from the score programs' per-program (max, sum) pairs ``stats [rows, n_chunks, 2, GP]``. Every
+    consumer program redoes this reduction, so it takes up to BLOCK_K (256) score programs per load
+    instead of a loop of 16-row loads (~17 serial iterations at 1M tokens)."""
     g = tl.arange(0, GP)
-    gmask = g < G
-    # each head's log2-sum-exp over all pages, from the per-program (max, sum) pairs; every program
-    # redoes this reduction, so it takes up to 256 score programs per load (BLOCK_K) instead of a
-    # loop of 16-row loads (~17 serial iterations at 1M tokens)
     m_all = tl.full([GP], float("-inf"), tl.float32)
     l_all = tl.zeros([GP], tl.float32)
     for c0 in range(0, n_chunks, BLOCK_K):
@@ -155,7 +149,21 @@ def _combine_kernel(scores_ptr, stats_ptr, seqlen_ptr, ranking_ptr, lse_ptr, Hkv
         l_all = l_all * tl.exp2(m_all - m_safe) + tl.sum(ll * tl.exp2(m - m_safe[None, :]), axis=0)
         m_all = m_new
     has = l_all > 0.0
-    lse2 = tl.where(has, m_all + tl.log2(tl.where(has, l_all, 1.0)), float("-inf"))  # -inf: no page
+    return tl.where(has, m_all + tl.log2(tl.where(has, l_all, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _combine_kernel(scores_ptr, stats_ptr, seqlen_ptr, ranking_ptr, lse_ptr, Hkv, G, max_pages, n_chunks,
+                    pages_per_prog, S: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr,
+                    BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_c = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // Hkv
+    pc = tl.load(seqlen_ptr + b) // S
+    g = tl.arange(0, GP)
+    gmask = g < G
+    lse2 = row_lse2(stats_ptr, row, n_chunks, GP, BLOCK_K)
+    has = lse2 > float("-inf")
     if pid_c == 0:
         tl.store(lse_ptr + row * G + g, lse2 * _LN2, mask=gmask)
     start = pid_c * pages_per_prog
@@ -214,7 +222,7 @@ def score_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, d
 
 def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
-                      workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      workspace: dict | None = None, rank: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eq. 4 page scores, per-head log-sum-exp and the combined ranking, for every full page.
 
     Parameters
@@ -234,7 +242,9 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     scores : float32 ``[B, Hkv, G, max_pages]``, natural-log page masses (Eq. 4)
     lse : float32 ``[B, Hkv, G]``, each head's log-sum-exp over its full pages
     ranking : float32 ``[B, Hkv, max_pages]``, the combined score (higher is better)
-    Entries at page ``p >= seq_lens[b] // S`` are not written.
+    Entries at page ``p >= seq_lens[b] // S`` are not written. With ``rank=False`` the combine pass
+    is skipped and lse and ranking are None (:func:`kvlocks.selection.fused.rank_and_select` does
+    it, fused with the selection).
     """
     bsz, hq, d = queries.shape
     hkv, s, r = summaries.num_kv_heads, summaries.page_size, summaries.rank
@@ -252,11 +262,11 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
     if choice == "cuda" or (choice == "auto" and ws["ppp"] % cuda_mma.TILE == 0
                             and cuda_mma.supports(queries, g, summaries)):
         return cuda_mma.score_pages_mma(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
-                                        workspace=ws)
+                                        workspace=ws, rank=rank)
 
     if choice == "packed" or (choice == "auto" and triton_packed.supports(queries, g, r)):
         return triton_packed.score_pages_packed(queries, summaries, block_table, seq_lens, scale=scale,
-                                                combine=combine, launch=ws.get("launch"), workspace=ws)
+                                                combine=combine, launch=ws.get("launch"), workspace=ws, rank=rank)
     gb = ws["stats"].shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     launch = ws.get("launch") or ({} if queries.is_cuda else {"BLOCK": 16})
@@ -270,6 +280,16 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
         seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
         GP=max(16, gb), GB=gb, D=d, S=s, R=r, **kw, **launch,
     )
+    return finish_scores(ws, seq_lens, hkv, g, max_pages, s, combine, rank)
+
+
+def finish_scores(ws, seq_lens, hkv, g, max_pages, s, combine, rank=True):
+    """The score functions' last step: the combine pass (per-head LSE and ranking) unless ``rank`` is
+    False, where a fused consumer (:func:`kvlocks.selection.fused.rank_and_select`) does it."""
+    if not rank:
+        if combine not in RULES:
+            raise ValueError(f"combine rule {combine!r}: allowed {tuple(RULES)}")
+        return ws["scores"], None, None
     _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
     return ws["scores"], ws["lse"], ws["ranking"]
 
@@ -282,8 +302,13 @@ def _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine):
     _combine_kernel[(n2, rows)](
         ws["scores"], ws["stats"], seq_lens, ws["ranking"], ws["lse"], hkv, g, max_pages, ws["n_chunks"],
         ws["ppp2"], S=s, GP=ws["stats"].shape[-1], RULE=RULES[combine], BLOCK_C=ws.get("combine_block", 256),
-        BLOCK_K=max(16, min(256, triton.next_power_of_2(ws["n_chunks"]))), num_warps=4,
+        BLOCK_K=stats_block(ws), num_warps=4,
     )
+
+
+def stats_block(ws: dict) -> int:
+    """Score programs' statistics reduced per load by :func:`row_lse2`."""
+    return max(16, min(256, triton.next_power_of_2(ws["n_chunks"])))
 
 
 # ---- adapters with the reference signatures (token-major / reference layouts) ----

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kvlocks.cache.layout import PagedSummaries, dot_dtype
-from kvlocks.scoring.triton import HEAD_DIMS, LOG2E, _combine_launch, score_workspace, store_and_fold
+from kvlocks.scoring.triton import HEAD_DIMS, LOG2E, finish_scores, score_workspace, store_and_fold
 
 
 @triton.jit
@@ -196,7 +196,7 @@ def supports(queries: torch.Tensor, group: int, rank: int) -> bool:
 def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
                    launch: dict | None = None, workspace: dict | None = None, unpack: int | None = None,
-                   dot: str = "auto", coef: int | None = None):
+                   dot: str = "auto", coef: int | None = None, rank: bool = True):
     """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`.
 
     ``unpack``: 2 = inline-PTX half2 unpacking (CUDA only, the default there), 1 = portable bit
@@ -240,5 +240,4 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
         GQ=gq, D=d, S=s, R=r, DOT_DT=dot_dt,
         PREC="tf32" if half else "ieee", UNPACK=unpack, COEF=coef, **launch,
     )
-    _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
-    return ws["scores"], ws["lse"], ws["ranking"]
+    return finish_scores(ws, seq_lens, hkv, g, max_pages, s, combine, rank)

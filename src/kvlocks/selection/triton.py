@@ -74,6 +74,29 @@ def _pick_digit(hist, remaining):
 
 
 @triton.jit
+def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M: tl.constexpr):
+    """Radix-select the ``need`` largest of ``key`` where ``valid`` (ties to the lower index) and write
+    them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``."""
+    remaining = tl.maximum(need, 1)
+    prefix = tl.full([], 0, tl.uint32)
+    for i in tl.static_range(8):
+        shift = 28 - 4 * i  # constexpr (static_range)
+        hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
+        match = valid & ((key & hi_mask) == prefix)
+        bins = tl.where(match, ((key >> shift) & 15).to(tl.int32), 16)
+        dstar, above = _pick_digit(tl.histogram(bins, 32), remaining)
+        remaining -= above
+        prefix = prefix | (dstar.to(tl.uint32) << shift)
+    is_t = valid & (key == prefix)
+    tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
+    sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining))) & (tie_rank * 0 < need)
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(ckey_ptr + slot * M + pos, key.to(tl.int32, bitcast=True), mask=sel)
+    tl.store(cidx_ptr + slot * M + pos, offs, mask=sel)
+    tl.store(ccnt_ptr + slot, tl.sum(sel.to(tl.int32), axis=0))
+
+
+@triton.jit
 def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, Hkv,
                   n_chunks, S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
                   CH: tl.constexpr, M: tl.constexpr, HAS_SS: tl.constexpr):
@@ -91,38 +114,17 @@ def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, 
     limit = tl.where(total > K, n // S, 0)  # candidates: full pages, and only if not all pages fit
     valid = (offs < limit) & ~forced
     x = tl.load(rank_ptr + b.to(tl.int64) * stride_rb + h * stride_rh + offs, mask=valid, other=0.0)
-    key = _orderkey(x)
     need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
-    remaining = tl.maximum(need, 1)
-    prefix = tl.full([], 0, tl.uint32)
-    for i in tl.static_range(8):
-        shift = 28 - 4 * i  # constexpr (static_range)
-        hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
-        match = valid & ((key & hi_mask) == prefix)
-        bins = tl.where(match, ((key >> shift) & 15).to(tl.int32), 16)
-        dstar, above = _pick_digit(tl.histogram(bins, 32), remaining)
-        remaining -= above
-        prefix = prefix | (dstar.to(tl.uint32) << shift)
-    is_t = valid & (key == prefix)
-    tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
-    sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining))) & (tie_rank * 0 < need)
-    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    base = (row * n_chunks + c).to(tl.int64) * M
-    tl.store(ckey_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=sel)
-    tl.store(cidx_ptr + base + pos, offs, mask=sel)
-    tl.store(ccnt_ptr + row * n_chunks + c, tl.sum(sel.to(tl.int32), axis=0))
+    chunk_winners(_orderkey(x), valid, offs, need, (row * n_chunks + c).to(tl.int64), ckey_ptr, cidx_ptr, ccnt_ptr, M)
 
 
 @triton.jit
-def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv, n_chunks,
-                  S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr,
-                  TILE: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, HAS_SS: tl.constexpr):
-    row = tl.program_id(0)
-    b = row // Hkv
-    n = tl.load(seqlen_ptr + b)
-    ss = 0
-    if HAS_SS:
-        ss = tl.load(ss_ptr + b)
+def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl.constexpr, K: tl.constexpr,
+              SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
+              SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr):
+    """Stage 2 for one row: the top ``K - forced`` of all chunks' winners, and the forced pages, in
+    ascending page order into ``out_ptr[row]``. Loads bypass L1 (``.cg``): in the fused kernel the
+    winners were written by other programs of the same launch."""
     total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
     out = out_ptr + row.to(tl.int64) * K
     if total <= K:  # every page is attended
@@ -131,22 +133,29 @@ def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv
     else:
         n_flat = n_chunks * M
         base = row.to(tl.int64) * n_flat
+        cp = tl.arange(0, CP)
+        n_win = tl.sum(tl.load(ccnt_ptr + row * n_chunks + cp, mask=cp < n_chunks, other=0, cache_modifier=".cg"))
         remaining = tl.maximum(K - f, 1)
         prefix = tl.full([], 0, tl.uint32)
-        for i in tl.static_range(8):
-            shift = 28 - 4 * i  # constexpr (static_range)
-            hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
-            hist = tl.zeros([32], tl.int32)
-            for t0 in range(0, n_flat, TILE):
-                flat = t0 + tl.arange(0, TILE)
-                cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0)
-                valid = (flat % M) < cnt
-                key = tl.load(ckey_ptr + base + flat, mask=valid, other=0).to(tl.uint32, bitcast=True)
-                match = valid & ((key & hi_mask) == prefix)
-                hist += tl.histogram(tl.where(match, ((key >> shift) & 15).to(tl.int32), 16), 32)
-            dstar, above = _pick_digit(hist, remaining)
-            remaining -= above
-            prefix = prefix | (dstar.to(tl.uint32) << shift)
+        if n_win <= remaining:  # every winner is selected (one chunk, or few candidates): no radix pass
+            remaining = n_win
+        else:
+            for i in tl.static_range(8):
+                shift = 28 - 4 * i  # constexpr (static_range)
+                hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
+                hist = tl.zeros([32], tl.int32)
+                for t0 in range(0, n_flat, TILE):
+                    flat = t0 + tl.arange(0, TILE)
+                    cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0,
+                                  cache_modifier=".cg")
+                    valid = (flat % M) < cnt
+                    key = tl.load(ckey_ptr + base + flat, mask=valid, other=0,
+                                  cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                    match = valid & ((key & hi_mask) == prefix)
+                    hist += tl.histogram(tl.where(match, ((key >> shift) & 15).to(tl.int32), 16), 32)
+                dstar, above = _pick_digit(hist, remaining)
+                remaining -= above
+                prefix = prefix | (dstar.to(tl.uint32) << shift)
         # compaction in page order; forced pages get their slots from the counts below them
         sp = s_lo + tl.arange(0, SP)
         sp_ok = sp < s_hi
@@ -158,10 +167,11 @@ def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv
         n_sel = tl.full([], 0, tl.int32)
         for t0 in range(0, n_flat, TILE):
             flat = t0 + tl.arange(0, TILE)
-            cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0)
+            cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0, cache_modifier=".cg")
             valid = (flat % M) < cnt
-            key = tl.load(ckey_ptr + base + flat, mask=valid, other=0).to(tl.uint32, bitcast=True)
-            idx = tl.load(cidx_ptr + base + flat, mask=valid, other=0)
+            key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32,
+                                                                                              bitcast=True)
+            idx = tl.load(cidx_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg")
             is_t = valid & (key == prefix)
             tie_rank = n_ties + tl.cumsum(is_t.to(tl.int32), axis=0) - 1
             sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining)))
@@ -173,6 +183,20 @@ def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv
             n_sel += tl.sum(sel.to(tl.int32), axis=0)
         tl.store(out + below_s + _below(sp, s_lo, s_hi, r_lo, total), sp, mask=sp_ok)
         tl.store(out + below_r + _below(rp, s_lo, s_hi, r_lo, total), rp, mask=rp_ok)
+
+
+@triton.jit
+def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv, n_chunks,
+                  S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr,
+                  TILE: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
+                  HAS_SS: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // Hkv
+    ss = 0
+    if HAS_SS:
+        ss = tl.load(ss_ptr + b)
+    merge_row(row, tl.load(seqlen_ptr + b), ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK,
+              RECENT, M, TILE, KP, SP, RP, CP)
 
 
 def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
@@ -188,8 +212,23 @@ def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, devi
         "keys": torch.empty(rows, n_chunks, m, **i32),  # uint32 order keys, stored bitcast
         "idx": torch.empty(rows, n_chunks, m, **i32),
         "count": torch.empty(rows, n_chunks, **i32),
+        "done": torch.zeros(rows, **i32),  # per-row arrival counters of the fused kernel (reset by it)
         "out": torch.empty(batch, num_kv_heads, k, **i32),
     }
+
+
+def merge_meta(ws: dict, k: int, sink_pages: int, recent_pages: int) -> dict:
+    """Compile-time sizes of :func:`merge_row` for a workspace."""
+    m, n_chunks = ws["m"], ws["n_chunks"]
+    return dict(M=m, TILE=max(m, min(4096, triton.next_power_of_2(n_chunks * m))), KP=triton.next_power_of_2(k),
+                SP=triton.next_power_of_2(max(sink_pages, 1)), RP=triton.next_power_of_2(recent_pages),
+                CP=triton.next_power_of_2(n_chunks))
+
+
+def check_select_args(k: int, sink_pages: int, recent_pages: int) -> None:
+    if k < sink_pages + recent_pages or recent_pages < 1 or sink_pages < 0:
+        raise ValueError(f"k={k}, sink_pages={sink_pages}, recent_pages={recent_pages}: need k >= sink_pages + "
+                         "recent_pages, recent_pages >= 1 and sink_pages >= 0")
 
 
 def select_pages_paged(ranking: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, k: int,
@@ -210,21 +249,18 @@ def select_pages_paged(ranking: torch.Tensor, seq_lens: torch.Tensor, *, page_si
     than k pages.
     """
     bsz, hkv, max_pages = ranking.shape
-    if k < sink_pages + recent_pages or recent_pages < 1:
-        raise ValueError(f"k={k} must be >= sink_pages + recent_pages and recent_pages >= 1")
+    check_select_args(k, sink_pages, recent_pages)
     ws = workspace or select_workspace(bsz, hkv, max_pages, k, ranking.device)
-    rows, n_chunks, m = bsz * hkv, ws["n_chunks"], ws["m"]
+    rows, n_chunks = bsz * hkv, ws["n_chunks"]
     ss = sink_start if sink_start is not None else seq_lens
     meta = dict(S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, HAS_SS=sink_start is not None)
     _chunk_kernel[(n_chunks, rows)](
         ranking, ranking.stride(0), ranking.stride(1), seq_lens, ss, ws["keys"], ws["idx"], ws["count"], hkv,
-        n_chunks, CH=ws["chunk"], M=m, num_warps=8, **meta,
+        n_chunks, CH=ws["chunk"], M=ws["m"], num_warps=8, **meta,
     )
-    tile = max(m, min(4096, triton.next_power_of_2(n_chunks * m)))
     _merge_kernel[(rows,)](
-        seq_lens, ss, ws["keys"], ws["idx"], ws["count"], ws["out"], hkv, n_chunks, M=m, TILE=tile,
-        KP=triton.next_power_of_2(k), SP=triton.next_power_of_2(max(sink_pages, 1)),
-        RP=triton.next_power_of_2(recent_pages), num_warps=8, **meta,
+        seq_lens, ss, ws["keys"], ws["idx"], ws["count"], ws["out"], hkv, n_chunks,
+        **merge_meta(ws, k, sink_pages, recent_pages), num_warps=8, **meta,
     )
     return ws["out"]
 

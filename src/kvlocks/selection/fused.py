@@ -1,0 +1,155 @@
+"""GQA combine (Eq. 5) and page selection in one launch, in Triton: the decode step's path.
+
+The unfused path runs three kernels after the score kernel: the combine pass (per-head LSE over
+all pages, then the ranking), the selection's chunk pass and its merge. Each is short, so at every
+context their fixed cost (launch, ramp-up, drain) weighs as much as their work. Here one kernel,
+grid ``(chunks, B * Hkv)``, does all three:
+
+1. each program reduces the score programs' per-head statistics to each head's log-sum-exp
+   (:func:`kvlocks.scoring.triton.row_lse2`), turns the per-head scores of its CH pages into the
+   combined ranking in registers (one pass over the G heads), stores it (for diagnostics), and
+   radix-selects its chunk's winners (:func:`kvlocks.selection.triton.chunk_winners`);
+2. then it takes a ticket from a per-row arrival counter (``atomic_add``, acquire-release at GPU
+   scope, after a CTA barrier so every thread's winners are written first); the program that
+   arrives last resets the counter and runs the merge for its row
+   (:func:`kvlocks.selection.triton.merge_row`; it skips the radix passes when the winners are
+   no more than the pages to choose, as with a single chunk). No program waits on another, so
+   the order in which programs run does not matter (the CPU interpreter runs them in turn).
+
+Same selection as :func:`kvlocks.dispatch.select_pages` applied to the ranking that
+:func:`kvlocks.scoring.triton.score_pages_paged` returns (up to float rounding of the ranking:
+the heads are summed in a different order). Static grid, no host synchronisation: graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlocks.scoring.triton import _LN2, _LOG2E, RULES, row_lse2, stats_block
+from kvlocks.selection.triton import (
+    _forced, _orderkey, check_select_args, chunk_winners, merge_meta, merge_row, select_workspace,
+)
+
+SINGLE_MAX = 4096  # rows of at most this many pages are selected by one program (no merge radix)
+
+
+@triton.jit
+def _rank_chunk(sc_ptr, offs, pmask, lse2, G, max_pages, CH: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr):
+    """Combined ranking of pages ``offs`` from the per-head scores at ``sc_ptr`` (``[G, max_pages]``,
+    natural log), one head at a time, the same rules as the combine kernel."""
+    gi = tl.arange(0, GP)
+    acc = tl.zeros([CH], tl.float32)
+    mx = tl.full([CH], float("-inf"), tl.float32)
+    for g in range(G):
+        s2 = tl.load(sc_ptr + g * max_pages + offs, mask=pmask, other=-1e30) * _LOG2E
+        if RULE == 2:  # sum_mass: online log2-sum-exp over the heads
+            m_new = tl.maximum(mx, s2)
+            acc = acc * tl.exp2(mx - m_new) + tl.exp2(s2 - m_new)
+            mx = m_new
+        else:
+            l2 = tl.sum(tl.where(gi == g, lse2, 0.0), axis=0)  # head g's log2-sum-exp
+            share = tl.where(l2 > float("-inf"), tl.exp2(s2 - tl.where(l2 > float("-inf"), l2, 0.0)), 0.0)
+            if RULE == 0:
+                acc += share
+            else:
+                acc = tl.maximum(acc, share)
+    if RULE == 2:
+        return (mx + tl.log2(acc)) * _LN2
+    if RULE == 0:
+        return acc / G
+    return acc
+
+
+@triton.jit
+def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking_ptr, lse_ptr, ckey_ptr, cidx_ptr,
+                        ccnt_ptr, done_ptr, out_ptr, Hkv, G, max_pages, n_chunks, S: tl.constexpr, K: tl.constexpr,
+                        SINK: tl.constexpr, RECENT: tl.constexpr, CH: tl.constexpr, M: tl.constexpr,
+                        GP: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
+                        KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
+                        HAS_SS: tl.constexpr):
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // Hkv
+    n = tl.load(seqlen_ptr + b)
+    ss = 0
+    if HAS_SS:
+        ss = tl.load(ss_ptr + b)
+    total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
+    lse2 = row_lse2(stats_ptr, row, n_sc, GP, BLOCK_K)
+    if c == 0:
+        g = tl.arange(0, GP)
+        tl.store(lse_ptr + row * G + g, lse2 * _LN2, mask=g < G)
+    pc = n // S
+    offs = c * CH + tl.arange(0, CH)
+    rank = _rank_chunk(scores_ptr + row.to(tl.int64) * G * max_pages, offs, offs < pc, lse2, G, max_pages, CH, GP,
+                       RULE)
+    tl.store(ranking_ptr + row.to(tl.int64) * max_pages + offs, rank, mask=offs < pc)
+    forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
+    limit = tl.where(total > K, pc, 0)  # candidates: full pages, and only if not all pages fit
+    valid = (offs < limit) & ~forced
+    need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
+    chunk_winners(_orderkey(tl.where(valid, rank, 0.0)), valid, offs, need, (row * n_chunks + c).to(tl.int64),
+                  ckey_ptr, cidx_ptr, ccnt_ptr, M)
+    tl.debug_barrier()  # every thread's winners are written before the ticket is taken
+    ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_chunks - 1:  # the last program of the row to arrive merges it
+        tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
+        merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK, RECENT, M, TILE, KP,
+                  SP, RP, CP)
+
+
+def default_fused_chunk(max_pages: int) -> int:
+    """Pages per program: one program per row up to SINGLE_MAX pages, else
+    :func:`kvlocks.selection.triton.default_chunk`."""
+    from kvlocks.selection.triton import default_chunk  # noqa: PLC0415
+
+    if max_pages <= SINGLE_MAX:
+        return max(16, triton.next_power_of_2(max_pages))
+    return default_chunk(max_pages)
+
+
+def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
+    """Buffers for :func:`rank_and_select` (a :func:`select_workspace` with the fused chunk size)."""
+    return select_workspace(batch, num_kv_heads, max_pages, k, device,
+                            chunk=default_fused_chunk(max_pages) if chunk is None else chunk)
+
+
+def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k: int, combine: str = "mean_share",
+                    sink_pages: int = 1, recent_pages: int = 1, sink_start: torch.Tensor | None = None,
+                    workspace: dict | None = None) -> torch.Tensor:
+    """Pages to attend per (sequence, KV head), from a score pass run with ``rank=False``.
+
+    Parameters
+    ----------
+    score_ws : the score workspace (:func:`kvlocks.scoring.triton.score_workspace`) after
+        ``score_pages_paged(..., rank=False)``: its ``scores`` and ``stats`` are read, its ``lse``
+        and ``ranking`` written (as the combine pass would)
+    seq_lens : int32 ``[B]``; sink_start : int32 ``[B]`` or None
+    k, sink_pages, recent_pages, combine : as :func:`kvlocks.dispatch.select_pages` and Eq. 5's rule
+    workspace : from :func:`fused_workspace` (allocated here when omitted)
+
+    Returns
+    -------
+    int32 ``[B, Hkv, k]`` ascending logical page ids, -1 padded (a view of the workspace's buffer).
+    """
+    check_select_args(k, sink_pages, recent_pages)
+    if combine not in RULES:
+        raise ValueError(f"combine rule {combine!r}: allowed {tuple(RULES)}")
+    scores = score_ws["scores"]
+    bsz, hkv, g, max_pages = scores.shape
+    if seq_lens.shape != (bsz,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{bsz}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    ws = workspace or fused_workspace(bsz, hkv, max_pages, k, scores.device)
+    if ws["out"].shape != (bsz, hkv, k):
+        raise ValueError(f"workspace is for output {tuple(ws['out'].shape)}, not {(bsz, hkv, k)}")
+    ss = sink_start if sink_start is not None else seq_lens
+    _rank_select_kernel[(ws["n_chunks"], bsz * hkv)](
+        scores, score_ws["stats"], score_ws["n_chunks"], seq_lens, ss, score_ws["ranking"], score_ws["lse"],
+        ws["keys"], ws["idx"], ws["count"], ws["done"], ws["out"], hkv, g, max_pages, ws["n_chunks"],
+        S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws["chunk"], GP=score_ws["stats"].shape[-1],
+        RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None,
+        **merge_meta(ws, k, sink_pages, recent_pages), num_warps=8,
+    )
+    return ws["out"]
