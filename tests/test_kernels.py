@@ -266,6 +266,7 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     _, none_lse, none_rank = score_tri.score_pages_paged(q, store, table, seq, combine=rule, workspace=sw, rank=False)
     assert none_lse is None and none_rank is None
     fw = fused.fused_workspace(bsz, 2, max_pages, k, DEV, chunk=chunk)
+    fw["unroll_heads"] = chunk == 32  # the compile-time loop over the heads, in one case
     sel = dict(page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
     got = fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).clone()
     _, lse, ranking = score_pages(q, store, table, seq, combine=rule, backend="torch")

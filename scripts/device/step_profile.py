@@ -31,9 +31,9 @@ from kvlocks.engine.parts import model_parts
 from kvlocks.engine.step import DecodeStep
 
 CLASSES = (  # first match wins (lower-case substrings of the kernel name)
-    ("locks_score", ("_score_",)),
+    ("locks_score", ("_score_", "score_kernel")),  # Triton kernels; the CUDA kernel (score_mma.cu)
     ("locks_combine", ("_combine",)),
-    ("locks_select", ("_select",)),
+    ("locks_select", ("_select", "_chunk_kernel")),  # fused combine + selection; the unfused chunk pass
     ("locks_build", ("_build_kernel",)),
     ("attend", ("_attn_kernel", "_merge_kernel")),
     ("weights_gemm", ("gemv", "gemm", "cutlass", "xmma", "sm90_", "sm80_", "cublas", "splitk")),

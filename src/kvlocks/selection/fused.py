@@ -32,29 +32,43 @@ from kvlocks.selection.triton import (
     _forced, _orderkey, check_select_args, chunk_winners, merge_meta, merge_row, select_workspace,
 )
 
-SINGLE_MAX = 4096  # rows of at most this many pages are selected by one program (no merge radix)
+SINGLE_MAX = 2048  # rows of at most this many pages are selected by one program (no merge radix)
+UNROLL_HEADS = False  # workspace["unroll_heads"] overrides (a probe option)
 
 
 @triton.jit
-def _rank_chunk(sc_ptr, offs, pmask, lse2, G, max_pages, CH: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr):
+def _fold_head(acc, mx, sc_ptr, g, offs, pmask, lse2, gi, max_pages, RULE: tl.constexpr):
+    """Fold head ``g``'s scores of pages ``offs`` into the running ranking state (acc, mx)."""
+    s2 = tl.load(sc_ptr + g * max_pages + offs, mask=pmask, other=-1e30) * _LOG2E
+    if RULE == 2:  # sum_mass: online log2-sum-exp over the heads
+        m_new = tl.maximum(mx, s2)
+        acc = acc * tl.exp2(mx - m_new) + tl.exp2(s2 - m_new)
+        mx = m_new
+    else:
+        l2 = tl.sum(tl.where(gi == g, lse2, 0.0), axis=0)  # head g's log2-sum-exp
+        share = tl.where(l2 > float("-inf"), tl.exp2(s2 - tl.where(l2 > float("-inf"), l2, 0.0)), 0.0)
+        if RULE == 0:
+            acc += share
+        else:
+            acc = tl.maximum(acc, share)
+    return acc, mx
+
+
+@triton.jit
+def _rank_chunk(sc_ptr, offs, pmask, lse2, G, max_pages, CH: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr,
+                GU: tl.constexpr):
     """Combined ranking of pages ``offs`` from the per-head scores at ``sc_ptr`` (``[G, max_pages]``,
-    natural log), one head at a time, the same rules as the combine kernel."""
+    natural log), one head at a time, the same rules as the combine kernel. ``GU`` > 0: the loop
+    over the heads unrolled at compile time (``GU == G``), so the G loads can be in flight at once."""
     gi = tl.arange(0, GP)
     acc = tl.zeros([CH], tl.float32)
     mx = tl.full([CH], float("-inf"), tl.float32)
-    for g in range(G):
-        s2 = tl.load(sc_ptr + g * max_pages + offs, mask=pmask, other=-1e30) * _LOG2E
-        if RULE == 2:  # sum_mass: online log2-sum-exp over the heads
-            m_new = tl.maximum(mx, s2)
-            acc = acc * tl.exp2(mx - m_new) + tl.exp2(s2 - m_new)
-            mx = m_new
-        else:
-            l2 = tl.sum(tl.where(gi == g, lse2, 0.0), axis=0)  # head g's log2-sum-exp
-            share = tl.where(l2 > float("-inf"), tl.exp2(s2 - tl.where(l2 > float("-inf"), l2, 0.0)), 0.0)
-            if RULE == 0:
-                acc += share
-            else:
-                acc = tl.maximum(acc, share)
+    if GU > 0:
+        for g in tl.static_range(GU):
+            acc, mx = _fold_head(acc, mx, sc_ptr, g, offs, pmask, lse2, gi, max_pages, RULE)
+    else:
+        for g in range(G):
+            acc, mx = _fold_head(acc, mx, sc_ptr, g, offs, pmask, lse2, gi, max_pages, RULE)
     if RULE == 2:
         return (mx + tl.log2(acc)) * _LN2
     if RULE == 0:
@@ -68,7 +82,7 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
                         SINK: tl.constexpr, RECENT: tl.constexpr, CH: tl.constexpr, M: tl.constexpr,
                         GP: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
                         KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
-                        HAS_SS: tl.constexpr):
+                        HAS_SS: tl.constexpr, GU: tl.constexpr):
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -84,7 +98,7 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
     pc = n // S
     offs = c * CH + tl.arange(0, CH)
     rank = _rank_chunk(scores_ptr + row.to(tl.int64) * G * max_pages, offs, offs < pc, lse2, G, max_pages, CH, GP,
-                       RULE)
+                       RULE, GU)
     tl.store(ranking_ptr + row.to(tl.int64) * max_pages + offs, rank, mask=offs < pc)
     forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
     limit = tl.where(total > K, pc, 0)  # candidates: full pages, and only if not all pages fit
@@ -150,6 +164,7 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
         ws["keys"], ws["idx"], ws["count"], ws["done"], ws["out"], hkv, g, max_pages, ws["n_chunks"],
         S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws["chunk"], GP=score_ws["stats"].shape[-1],
         RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None,
-        **merge_meta(ws, k, sink_pages, recent_pages), num_warps=8,
+        GU=g if ws.get("unroll_heads", UNROLL_HEADS) else 0, **merge_meta(ws, k, sink_pages, recent_pages),
+        num_warps=ws.get("num_warps", 8),
     )
     return ws["out"]
