@@ -33,7 +33,15 @@ from kvlocks.selection.triton import (
 )
 
 SINGLE_MAX = 2048  # rows of at most this many pages are selected by one program (no merge radix)
-UNROLL_HEADS = False  # workspace["unroll_heads"] overrides (a probe option)
+UNROLL_HEADS = True  # workspace["unroll_heads"] overrides (a probe option)
+
+
+def default_warps(chunk: int) -> int:
+    """Warps per program: 16 from 2048 pages per program, else 8. On the H200
+    (``scripts/device/plan_probe.py``, glm4-9b-1m shape, batch 1, right after the score kernel, so
+    the per-head scores come from DRAM): 1M tokens (4096 pages per program) 63 us at 8 warps, 38 at
+    16, 121 at 4; 256K (2048) 26 -> 21; at 16K-32K the warp count changes < 1 us."""
+    return 16 if chunk >= 2048 else 8
 
 
 @triton.jit
@@ -165,6 +173,6 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
         S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws["chunk"], GP=score_ws["stats"].shape[-1],
         RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None,
         GU=g if ws.get("unroll_heads", UNROLL_HEADS) else 0, **merge_meta(ws, k, sink_pages, recent_pages),
-        num_warps=ws.get("num_warps", 8),
+        num_warps=ws.get("num_warps") or default_warps(ws["chunk"]),
     )
     return ws["out"]
