@@ -409,14 +409,16 @@ def test_incremental_build_builds_just_filled_pages():
     assert float((_recon(store.gather(ids)) - _recon(exp.gather(ids))).abs().max()) < 1e-2
 
 
-@pytest.mark.parametrize("lens,g,budget", [("c", 4, 64), ("d", 3, 32), ("b", 1, 2048)])
-def test_decode_plan_matches_torch_backend(lens, g, budget):
+@pytest.mark.parametrize("lens,g,budget,fused", [("c", 4, 64, True), ("c", 4, 64, False), ("d", 3, 32, True),
+                                                 ("b", 1, 2048, None)])
+def test_decode_plan_matches_torch_backend(lens, g, budget, fused):
     cfg = LocksConfig(budget=budget)
     q, k, v, table, seq = make_paged(LENS[lens], 2, g, 64, F32, seed=3)
     store = built_store(k, table, seq, cfg)
     kw = dict(batch=len(seq), num_kv_heads=2, group=g, head_dim=64, max_pages=table.shape[1], config=cfg,
               dtype=q.dtype, device=DEV)
-    tri, ref = DecodePlan(backend="triton", **kw), DecodePlan(backend="torch", **kw)
+    tri, ref = DecodePlan(backend="triton", fused_select=fused, **kw), DecodePlan(backend="torch", **kw)
+    assert tri.fused == (fused if fused is not None else table.shape[1] >= 32768)
     out_t = tri.run(q, k, v, store, table, seq)
     out_r = ref.run(q, k, v, store, table, seq)
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())

@@ -20,6 +20,11 @@ from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.build import build_summaries
 
 BACKENDS = ("torch", "triton")
+# the decode plan fuses the combine into the selection (kvlocks.selection.fused) from this many pages
+# per sequence (512K tokens at S = 16). H200, GLM-4-9B shape, batch 1 (docs/benchmarks.md, session
+# 7): whole-model TPOT at 1M 12.56 ms fused vs 12.85 unfused; at 64K-256K the fused run was 1.5-5%
+# slower end to end, at 16K-32K equal, although the kernel probe had it equal or faster there.
+FUSED_MIN_PAGES = 32768
 
 
 def resolve_backend(backend: str | None, device) -> str:
@@ -133,8 +138,10 @@ class DecodePlan:
     """Buffers and launch sizes for one decode step of a batch: plan once, ``run`` per layer.
 
     ``run`` scores every full page, selects ``k = config.pages_per_step`` pages per
-    (sequence, KV head) and attends them (Triton backend: the score kernel, then the combine and
-    the selection fused in one launch, :mod:`kvlocks.selection.fused`, then the split-KV attention), writing into buffers owned by the plan: no allocation
+    (sequence, KV head) and attends them (Triton backend: the score kernel, the combine pass and the
+    two-launch selection, or from ``FUSED_MIN_PAGES`` pages per sequence, or with
+    ``fused_select=True``, the combine and the selection fused in one launch,
+    :mod:`kvlocks.selection.fused`; then the split-KV attention), writing into buffers owned by the plan: no allocation
     and no host synchronisation, so a whole step can be captured in a CUDA graph (Triton backend).
 
     Parameters
@@ -146,28 +153,31 @@ class DecodePlan:
     """
 
     def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device,
-                 scale=None, backend=None):
+                 scale=None, backend=None, fused_select: bool | None = None):
         check_kernel_config(config, head_dim)
         self.config, self.backend = config, resolve_backend(backend, device)
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.k = config.pages_per_step
         self.ws = {}
+        self.fused = max_pages >= FUSED_MIN_PAGES if fused_select is None else bool(fused_select)
         if self.backend == "triton":
             from kvlocks.attention.triton import attention_workspace
             from kvlocks.scoring.triton import score_workspace
             from kvlocks.selection.fused import fused_workspace
+            from kvlocks.selection.triton import select_workspace
 
             rows = batch * num_kv_heads
+            sel_ws = fused_workspace if self.fused else select_workspace
             self.ws = {
                 "score": score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim),
-                "select": fused_workspace(batch, num_kv_heads, max_pages, self.k, device),
+                "select": sel_ws(batch, num_kv_heads, max_pages, self.k, device),
                 "attend": attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device),
             }
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
         c, be = self.config, self.backend
-        if be == "triton":  # score kernel, then combine + selection fused in one launch
+        if be == "triton" and self.fused:  # score kernel, then combine + selection fused in one launch
             from kvlocks.scoring.triton import score_pages_paged
             from kvlocks.selection.fused import rank_and_select
 
@@ -178,8 +188,8 @@ class DecodePlan:
                                          workspace=self.ws["select"])
         else:
             _, _, ranking = score_pages(queries, summaries, block_table, seq_lens, scale=self.scale,
-                                        combine=c.combine, backend=be)
+                                        combine=c.combine, backend=be, workspace=self.ws.get("score"))
             self.pages = select_pages(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
-                                      recent_pages=c.recent_pages, backend=be)
+                                      recent_pages=c.recent_pages, backend=be, workspace=self.ws.get("select"))
         return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
                             backend=be, workspace=self.ws.get("attend"))

@@ -8,12 +8,13 @@ every page of the context, for every layer of the model (batch 1). Bytes are cou
 each kernel must read (see docs/kernels.md); ``pct_copy_bw`` compares the achieved rate with a
 device-to-device copy (read + write bytes) measured in the same run.
 
-The LOCKS step is the decode plan's: ``locks_score`` is the score kernel alone (per-head scores and
-statistics), ``locks_select`` the fused combine + selection (:mod:`kvlocks.selection.fused`; it
-reads the per-head scores), ``locks_attend`` the split-KV attention over the chosen pages. Until
-session 6, ``locks_score`` included the combine pass and ``locks_select`` read the ranking; that
-path is still timed as ``x_select_unfused`` (combine + two-launch selection) at the largest
-context.
+The LOCKS step is the decode plan's (``DecodePlan.fused``, row field ``fused_select``): below
+``FUSED_MIN_PAGES`` pages, ``locks_score`` is the score kernel and the combine pass and
+``locks_select`` the two-launch selection from the ranking; from there, ``locks_score`` is the
+score kernel alone and ``locks_select`` the fused combine + selection
+(:mod:`kvlocks.selection.fused`, which reads the per-head scores). ``locks_attend`` is the split-KV
+attention over the chosen pages. At the largest context both selection paths are also timed as
+``x_select_unfused`` (combine + two-launch selection) and ``x_select_fused``.
 
 Writes ``DIR/summary.json`` (config, device, versions, copy bandwidth, rows) and
 ``DIR/rows.jsonl`` (one record per measurement, appended as it is made).
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlocks.config import LocksConfig
-from kvlocks.dispatch import DecodePlan
+from kvlocks.dispatch import FUSED_MIN_PAGES, DecodePlan
 from kvlocks.cache.layout import PagedSummaries
 
 log = logging.getLogger(__name__)
@@ -182,15 +183,17 @@ class _Case:
 
 
 def _bytes(case, k_pages):
-    """Bytes each method must read (one layer, one step)."""
+    """Bytes each method must read (one layer, one step). ``locks_select`` reads the ranking, or with
+    the fused path (from FUSED_MIN_PAGES pages) the per-head scores."""
     rows = case.bsz * case.hkv
     kv_page = case.lcfg.page_size * case.d * 2 * 2  # K + V, bf16
     summ = rows * case.p * case.store.bytes_per_page_head()
-    select = rows * case.p * 4 * case.g  # the per-head scores (the fused combine + selection reads them)
+    select = rows * case.p * 4 * (case.g if case.p >= FUSED_MIN_PAGES else 1)
     attend = rows * k_pages * kv_page
     variants = {name: summ for name in SCORE_VARIANTS}
     return {**variants, "x_score_combine": rows * case.p * 4 * (case.g + 1), "x_launch_floor": 4,
             "x_select_unfused": rows * case.p * 4 * (case.g + 1), "x_select_ranked": rows * case.p * 4,
+            "x_select_fused": rows * case.p * 4 * case.g,
             "x_splitk_ppi8_nw8": rows * case.p * kv_page,
             "dense_sdpa": rows * case.p * kv_page, "dense_splitk": rows * case.p * kv_page, "locks_score": summ,
             "locks_select": select, "locks_attend": attend, "locks_total": summ + select + attend}
@@ -200,7 +203,7 @@ def _methods(case, device):
     """Callables ``fn(rotation)`` per method, sharing one plan's buffers."""
     from kvlocks.attention.triton import attention_workspace, identity_pages, paged_decode
     from kvlocks.scoring.triton import score_pages_paged
-    from kvlocks.selection.fused import rank_and_select
+    from kvlocks.selection.fused import fused_workspace, rank_and_select
     from kvlocks.selection.triton import select_pages_paged, select_workspace
 
     plan = DecodePlan(batch=case.bsz, num_kv_heads=case.hkv, group=case.g, head_dim=case.d, max_pages=case.p,
@@ -208,6 +211,7 @@ def _methods(case, device):
     c, k = case.lcfg, case.lcfg.pages_per_step
     sel = dict(page_size=c.page_size, k=k, sink_pages=c.sink_pages, recent_pages=c.recent_pages)
     unfused_ws = select_workspace(case.bsz, case.hkv, case.p, k, device)
+    fused_ws = fused_workspace(case.bsz, case.hkv, case.p, k, device)
     rankings, lists, scored = [], [], []
     for r in range(case.n_rot):  # realistic inputs for select/attend: the real score/select outputs
         _, _, rk = score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=plan.ws["score"])
@@ -238,6 +242,8 @@ def _methods(case, device):
         "x_score_combine": lambda r: _combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size,
                                                      c.combine),
         "x_select_unfused": unfused,
+        "x_select_fused": lambda r: rank_and_select(scored[r], case.seq, combine=c.combine, workspace=fused_ws,
+                                                    **sel),
         "x_select_ranked": lambda r: select_pages_paged(rankings[r], case.seq, workspace=unfused_ws, **sel),
         "x_launch_floor": lambda r: empty.add_(1.0),
         **{name: (lambda r, w=w: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=w))
@@ -250,9 +256,10 @@ def _methods(case, device):
         "dense_splitk": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
                                                workspace=dense_ws),
         "locks_score": lambda r: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq,
-                                                   workspace=plan.ws["score"], rank=False),
-        "locks_select": lambda r: rank_and_select(scored[r], case.seq, combine=c.combine,
-                                                  workspace=plan.ws["select"], **sel),
+                                                   workspace=plan.ws["score"], rank=not plan.fused),
+        "locks_select": (lambda r: rank_and_select(scored[r], case.seq, combine=c.combine,
+                                                   workspace=plan.ws["select"], **sel)) if plan.fused else
+                        (lambda r: select_pages_paged(rankings[r], case.seq, workspace=plan.ws["select"], **sel)),
         "locks_attend": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, lists[r],
                                                workspace=plan.ws["attend"]),
         "locks_total": lambda r: plan.run(case.q[r], case.kc, case.vc, case.store, case.tables[r], case.seq),
@@ -382,6 +389,7 @@ def run_kernels_bench(out_dir, config: KernelBenchConfig | None = None, *, devic
                             t, eager = timer(fn, n_rot, cfg)
                             extra = {"tuned": _tuned_score_config()} if name == "locks_score" else {}
                             emit(**key, method=name, time_us=t, bytes_read=nbytes[name], time_us_eager=eager,
+                                 fused_select=case.p >= FUSED_MIN_PAGES,
                                  rotations=n_rot, **extra)
                         except Exception as e:  # one failing method must not sink the run
                             errors.append({**key, "method": name, "error": repr(e)[:500]})
