@@ -22,13 +22,21 @@ def main() -> None:
     ap.add_argument("--model", default="glm4-9b-1m")
     ap.add_argument("--contexts", default="1048576,131072")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--fused-chunk", type=int, default=0, help="pages per fused program above one program per row "
+                    "(0: default_fused_chunk)")
+    ap.add_argument("--modes", default="unfused,fused")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     ctx = tuple(int(c) for c in args.contexts.split(","))
     cfg = E2EBenchConfig(models=(args.model,), contexts=ctx, batches=(1,), batch_context=ctx[0], methods=("locks",),
                          steps=args.steps, max_prefill=0)
-    for mode, threshold in (("unfused", 1 << 40), ("fused", 0)):
-        dispatch.FUSED_MIN_PAGES = threshold
+    if args.fused_chunk:
+        from kvlocks.selection import fused
+
+        base = fused.default_fused_chunk
+        fused.default_fused_chunk = lambda p: base(p) if p <= fused.SINGLE_MAX else args.fused_chunk
+    for mode in args.modes.split(","):
+        dispatch.FUSED_MIN_PAGES = {"unfused": 1 << 40, "fused": 0}[mode]
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
             print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), flush=True)
