@@ -19,7 +19,7 @@ from kvlocks.attention import reference as attn_ref  # noqa: E402
 from kvlocks.attention import triton as attn_tri  # noqa: E402
 from kvlocks.config import LocksConfig  # noqa: E402
 from kvlocks.dispatch import (  # noqa: E402
-    DecodePlan, build_new_pages, build_pages, paged_decode, score_pages, select_pages,
+    FUSED_MIN_PAGES, DecodePlan, build_new_pages, build_pages, paged_decode, score_pages, select_pages,
 )
 from kvlocks.cache.layout import PagedSummaries  # noqa: E402
 from kvlocks.scoring import reference as score_ref  # noqa: E402
@@ -418,7 +418,7 @@ def test_decode_plan_matches_torch_backend(lens, g, budget, fused):
     kw = dict(batch=len(seq), num_kv_heads=2, group=g, head_dim=64, max_pages=table.shape[1], config=cfg,
               dtype=q.dtype, device=DEV)
     tri, ref = DecodePlan(backend="triton", fused_select=fused, **kw), DecodePlan(backend="torch", **kw)
-    assert tri.fused == (fused if fused is not None else table.shape[1] >= 32768)
+    assert tri.fused == (fused if fused is not None else table.shape[1] >= FUSED_MIN_PAGES)
     out_t = tri.run(q, k, v, store, table, seq)
     out_r = ref.run(q, k, v, store, table, seq)
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())

@@ -21,10 +21,10 @@ from kvlocks.summary.build import build_summaries
 
 BACKENDS = ("torch", "triton")
 # the decode plan fuses the combine into the selection (kvlocks.selection.fused) from this many pages
-# per sequence (512K tokens at S = 16). H200, GLM-4-9B shape, batch 1 (docs/benchmarks.md, session
-# 7): whole-model TPOT at 1M 12.56 ms fused vs 12.85 unfused; at 64K-256K the fused run was 1.5-5%
-# slower end to end, at 16K-32K equal, although the kernel probe had it equal or faster there.
-FUSED_MIN_PAGES = 32768
+# per sequence: every context. H200, GLM-4-9B shape, batch 1, whole-model TPOT fused vs unfused on
+# one machine (scripts/device/select_ab.py, docs/benchmarks.md session 7): -1% to -3% from 32K to
+# 1M, +0.8% (noise) at 16K.
+FUSED_MIN_PAGES = 0
 
 
 def resolve_backend(backend: str | None, device) -> str:

@@ -123,13 +123,16 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
 
 
 def default_fused_chunk(max_pages: int) -> int:
-    """Pages per program: one program per row up to SINGLE_MAX pages, else
-    :func:`kvlocks.selection.triton.default_chunk`."""
-    from kvlocks.selection.triton import default_chunk  # noqa: PLC0415
-
+    """Pages per program. Measured end to end on the H200 (``scripts/device/select_ab.py``,
+    GLM-4-9B shape, batch 1, against the unfused path on the same machine): one program per row up
+    to SINGLE_MAX pages (16K tokens: +0.8%, noise), 1024 up to 4096 pages (32K: -1.1/-1.4%; 2048
+    there: +2.1%), 2048 below 32768 (64K -2.7%, 128K -1.8%, 256K -0.3%; 1024 at 128K: +2.3/+3.2%),
+    then 4096 (1M: -2.2/-3.4%)."""
     if max_pages <= SINGLE_MAX:
         return max(16, triton.next_power_of_2(max_pages))
-    return default_chunk(max_pages)
+    if max_pages <= 4096:
+        return 1024
+    return 2048 if max_pages < 32768 else 4096
 
 
 def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
