@@ -38,6 +38,7 @@ LENS = {
     "b": [16, 17] if not CUDA else [16, 17, 65536],
     "c": [100, 33] if not CUDA else [100_000, 33, 2049],
     "d": [130] if not CUDA else [262_144],
+    "e": [300 * 16 + 5, 40 * 16 + 3] if not CUDA else [70_000, 300 * 16 + 5],  # many pages: several chunks
 }
 
 
@@ -246,7 +247,7 @@ def test_select_adapter_same_signature():
 FUSED_CASES = [  # (token counts, G, combine rule, pages per program or None = default, k, sink, recent, sink_start)
     ("c", 4, "mean_share", None, 6, 1, 1, False), ("c", 3, "max_share", 32, 9, 2, 2, True),
     ("d", 8, "sum_mass", 64, 20, 1, 1, False), ("b", 16, "mean_share", 16, 3, 0, 1, False),
-    ("d", 1, "mean_share", None, 300, 1, 1, False),
+    ("d", 1, "mean_share", None, 300, 1, 1, False), ("e", 4, "mean_share", 16, 12, 1, 2, True),
 ]
 
 
