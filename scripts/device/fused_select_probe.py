@@ -6,7 +6,8 @@ For each shape, context and batch, on random per-head scores with their per-prog
 - ``unfused``: the combine pass, then the two-launch selection (chunk top-k, merge), as the
   decode plan ran them until session 6;
 - ``fused@CH``: :func:`kvlocks.selection.fused.rank_and_select` at several pages per program
-  (``default`` = :func:`default_fused_chunk`),
+  (``default`` = :func:`default_fused_chunk`), each also with the radix passes stopped early
+  (``+early``, ``--early``),
 
 each as a CUDA graph of ``--reps`` launches (median of 7 replays; inputs stay in L2, as they do
 in the decode step, where the score kernel has just written them), and checks that every fused
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--chunks", default="default,1024,2048,4096,8192")
     ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--early", default="both", choices=("off", "on", "both"),
+                    help="radix passes stopped early (EARLY_EXIT) in the fused variants: off, on, or both")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -81,12 +84,15 @@ def main() -> None:
                 rows = [{**base, "variant": "unfused", "chunk": uw["chunk"], "n_chunks": uw["n_chunks"],
                          "us": _time(unfused, n_graph=args.reps)}]
                 seen = set()
-                for ch in args.chunks.split(","):
+                early = {"off": (False,), "on": (True,), "both": (False, True)}[args.early]
+                for ch, ee in [(c, e) for c in args.chunks.split(",") for e in early]:
                     chunk = default_fused_chunk(pages) if ch == "default" else int(ch)
                     fw = fused_workspace(bsz, hkv, pages, args.k, dev, chunk=chunk)
-                    if fw["chunk"] in seen:
+                    fw["early_exit"] = ee
+                    if (fw["chunk"], ee) in seen:
                         continue
-                    seen.add(fw["chunk"])
+                    seen.add((fw["chunk"], ee))
+                    ch = ch + ("+early" if ee else "")
 
                     def fused(fw=fw):
                         return rank_and_select(sw, seq, workspace=fw, **sel)

@@ -7,7 +7,8 @@ context (batch 1, the kernel bench's random inputs), CUDA-graph timings (``score
 - ``S`` score kernel (no combine), ``F`` fused combine + selection, ``A`` attention;
 - ``S+F``, ``S+F+A``, ``plan`` (``DecodePlan.run``);
 - the session-6 path: ``S+C`` (combine pass), ``S+C+U`` (two-launch selection), ``S+C+U+A``;
-- fused variants after ``S``: heads unrolled (``unroll``), 4 or 16 warps.
+- fused variants after ``S``: heads unrolled (``unroll``), 4 or 16 warps, radix passes stopped
+  early (``early``).
 
 JSON lines to ``--out``.
 
@@ -81,7 +82,7 @@ def main() -> None:
                 "S+C+U+A": lambda: (S(), C(), U(), A(uw["out"])),
             }
             for name, opts in (("unroll", {"unroll_heads": True}), ("warps4", {"num_warps": 4}),
-                               ("warps16", {"num_warps": 16})):
+                               ("warps16", {"num_warps": 16}), ("early", {"early_exit": True})):
                 w = dict(fw, **opts)
                 seqs[f"S+F[{name}]"] = lambda w=w: (S(), F(w))
             for name, fn in seqs.items():

@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--fused-chunk", type=int, default=0, help="pages per fused program above one program per row "
                     "(0: default_fused_chunk)")
-    ap.add_argument("--modes", default="unfused,fused")
+    ap.add_argument("--modes", default="unfused,fused", help="any of unfused, fused, fused_early (comma-separated)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     ctx = tuple(int(c) for c in args.contexts.split(","))
@@ -35,8 +35,11 @@ def main() -> None:
 
         base = fused.default_fused_chunk
         fused.default_fused_chunk = lambda p: base(p) if p <= fused.SINGLE_MAX else args.fused_chunk
+    from kvlocks.selection import triton as sel_triton
+
     for mode in args.modes.split(","):
-        dispatch.FUSED_MIN_PAGES = {"unfused": 1 << 40, "fused": 0}[mode]
+        dispatch.FUSED_MIN_PAGES = {"unfused": 1 << 40, "fused": 0, "fused_early": 0}[mode]
+        sel_triton.EARLY_EXIT = mode == "fused_early"  # radix passes stopped early (read at each launch)
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
             print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), flush=True)

@@ -21,6 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+# stop the radix passes once every key left in the threshold digit is chosen (same pages; fewer
+# passes on spread-out rankings). Off by default until measured on a GPU
+# (scripts/device/fused_select_probe.py --early both).
+EARLY_EXIT = False
 
 def default_chunk(max_pages: int) -> int:
     """Pages per stage-1 program: an eighth of the row rounded down to a power of two, clamped to
@@ -64,32 +68,64 @@ def _below(x, s_lo, s_hi, r_lo, total):
 
 @triton.jit
 def _pick_digit(hist, remaining):
-    """Digit d* holding the remaining-th largest key, and how many keys lie in higher digits."""
+    """Digit d* holding the remaining-th largest key, how many keys lie in higher digits, and how
+    many in d* itself."""
     d = tl.arange(0, 32)
     h = tl.where(d < 16, hist, 0)
     ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
     dstar = tl.max(tl.where((ge >= remaining) & (d < 16), d, -1), axis=0)
     above = tl.sum(tl.where(d > dstar, h, 0), axis=0)
-    return dstar, above
+    inside = tl.sum(tl.where(d == dstar, h, 0), axis=0)
+    return dstar, above, inside
 
 
 @triton.jit
-def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M: tl.constexpr):
-    """Radix-select the ``need`` largest of ``key`` where ``valid`` (ties to the lower index) and write
-    them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``."""
+def _digit_bins(key, match, shift):
+    return tl.where(match, ((key >> shift) & 15).to(tl.int32), 16)
+
+
+@triton.jit
+def radix_threshold(key, valid, need, EARLY: tl.constexpr):
+    """(prefix, kmask, remaining): the ``need``-th largest valid key's leading digits. Selected are
+    the valid keys with ``key & kmask > prefix`` and the first ``remaining`` (by index) with
+    ``key & kmask == prefix``. Eight 4-bit digits; with EARLY the passes stop as soon as every key
+    left in the threshold digit is selected (``kmask`` then covers only the digits fixed)."""
     remaining = tl.maximum(need, 1)
     prefix = tl.full([], 0, tl.uint32)
-    for i in tl.static_range(8):
-        shift = 28 - 4 * i  # constexpr (static_range)
-        hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
-        match = valid & ((key & hi_mask) == prefix)
-        bins = tl.where(match, ((key >> shift) & 15).to(tl.int32), 16)
-        dstar, above = _pick_digit(tl.histogram(bins, 32), remaining)
-        remaining -= above
-        prefix = prefix | (dstar.to(tl.uint32) << shift)
-    is_t = valid & (key == prefix)
+    if EARLY:
+        kmask = tl.full([], 0, tl.uint32)
+        n_in = tl.sum(valid.to(tl.int32), axis=0)  # valid keys matching the prefix so far
+        i = 0
+        while (i < 8) & (n_in > remaining):
+            shift = (28 - 4 * i).to(tl.uint32)
+            dstar, above, n_in = _pick_digit(
+                tl.histogram(_digit_bins(key, valid & ((key & kmask) == prefix), shift), 32), remaining)
+            remaining -= above
+            prefix = prefix | (dstar.to(tl.uint32) << shift)
+            kmask = kmask | (tl.full([], 15, tl.uint32) << shift)
+            i += 1
+    else:
+        for i in tl.static_range(8):
+            shift = 28 - 4 * i  # constexpr (static_range)
+            hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
+            dstar, above, _ = _pick_digit(
+                tl.histogram(_digit_bins(key, valid & ((key & hi_mask) == prefix), shift), 32), remaining)
+            remaining -= above
+            prefix = prefix | (dstar.to(tl.uint32) << shift)
+        kmask = tl.full([], 0xFFFFFFFF, tl.uint32)
+    return prefix, kmask, remaining
+
+
+@triton.jit
+def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M: tl.constexpr,
+                  EARLY: tl.constexpr = False):
+    """Radix-select the ``need`` largest of ``key`` where ``valid`` (ties to the lower index) and write
+    them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``."""
+    prefix, kmask, remaining = radix_threshold(key, valid, need, EARLY)
+    km = key & kmask
+    is_t = valid & (km == prefix)
     tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
-    sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining))) & (tie_rank * 0 < need)
+    sel = valid & ((km > prefix) | (is_t & (tie_rank < remaining))) & (tie_rank * 0 < need)
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     tl.store(ckey_ptr + slot * M + pos, key.to(tl.int32, bitcast=True), mask=sel)
     tl.store(cidx_ptr + slot * M + pos, offs, mask=sel)
@@ -99,7 +135,7 @@ def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M:
 @triton.jit
 def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, Hkv,
                   n_chunks, S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-                  CH: tl.constexpr, M: tl.constexpr, HAS_SS: tl.constexpr):
+                  CH: tl.constexpr, M: tl.constexpr, HAS_SS: tl.constexpr, EARLY: tl.constexpr):
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -115,13 +151,28 @@ def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, 
     valid = (offs < limit) & ~forced
     x = tl.load(rank_ptr + b.to(tl.int64) * stride_rb + h * stride_rh + offs, mask=valid, other=0.0)
     need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
-    chunk_winners(_orderkey(x), valid, offs, need, (row * n_chunks + c).to(tl.int64), ckey_ptr, cidx_ptr, ccnt_ptr, M)
+    chunk_winners(_orderkey(x), valid, offs, need, (row * n_chunks + c).to(tl.int64), ckey_ptr, cidx_ptr, ccnt_ptr, M,
+                  EARLY)
+
+
+@triton.jit
+def _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, M: tl.constexpr,
+                TILE: tl.constexpr):
+    """Digit histogram (at ``shift``) of the row's chunk winners whose fixed digits equal ``prefix``."""
+    hist = tl.zeros([32], tl.int32)
+    for t0 in range(0, n_flat, TILE):
+        flat = t0 + tl.arange(0, TILE)
+        cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0, cache_modifier=".cg")
+        valid = (flat % M) < cnt
+        key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        hist += tl.histogram(_digit_bins(key, valid & ((key & kmask) == prefix), shift), 32)
+    return hist
 
 
 @triton.jit
 def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl.constexpr, K: tl.constexpr,
               SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
-              SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr):
+              SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr, EARLY: tl.constexpr = False):
     """Stage 2 for one row: the top ``K - forced`` of all chunks' winners, and the forced pages, in
     ascending page order into ``out_ptr[row]``. Loads bypass L1 (``.cg``): in the fused kernel the
     winners were written by other programs of the same launch."""
@@ -137,25 +188,31 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
         n_win = tl.sum(tl.load(ccnt_ptr + row * n_chunks + cp, mask=cp < n_chunks, other=0, cache_modifier=".cg"))
         remaining = tl.maximum(K - f, 1)
         prefix = tl.full([], 0, tl.uint32)
-        if n_win <= remaining:  # every winner is selected (one chunk, or few candidates): no radix pass
+        kmask = tl.full([], 0, tl.uint32)  # no digit fixed: every winner matches
+        if EARLY:  # passes until every winner left in the threshold digit is selected
+            n_in = n_win
+            i = 0
+            while (i < 8) & (n_in > remaining):
+                shift = (28 - 4 * i).to(tl.uint32)
+                dstar, above, n_in = _pick_digit(
+                    _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, M, TILE),
+                    remaining)
+                remaining -= above
+                prefix = prefix | (dstar.to(tl.uint32) << shift)
+                kmask = kmask | (tl.full([], 15, tl.uint32) << shift)
+                i += 1
+        elif n_win <= remaining:  # every winner is selected (one chunk, or few candidates): no radix pass
             remaining = n_win
         else:
             for i in tl.static_range(8):
                 shift = 28 - 4 * i  # constexpr (static_range)
                 hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
-                hist = tl.zeros([32], tl.int32)
-                for t0 in range(0, n_flat, TILE):
-                    flat = t0 + tl.arange(0, TILE)
-                    cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0,
-                                  cache_modifier=".cg")
-                    valid = (flat % M) < cnt
-                    key = tl.load(ckey_ptr + base + flat, mask=valid, other=0,
-                                  cache_modifier=".cg").to(tl.uint32, bitcast=True)
-                    match = valid & ((key & hi_mask) == prefix)
-                    hist += tl.histogram(tl.where(match, ((key >> shift) & 15).to(tl.int32), 16), 32)
-                dstar, above = _pick_digit(hist, remaining)
+                dstar, above, _ = _pick_digit(
+                    _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, hi_mask, prefix, shift, M, TILE),
+                    remaining)
                 remaining -= above
                 prefix = prefix | (dstar.to(tl.uint32) << shift)
+            kmask = tl.full([], 0xFFFFFFFF, tl.uint32)
         # compaction in page order; forced pages get their slots from the counts below them
         sp = s_lo + tl.arange(0, SP)
         sp_ok = sp < s_hi
@@ -172,9 +229,10 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
             key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32,
                                                                                               bitcast=True)
             idx = tl.load(cidx_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg")
-            is_t = valid & (key == prefix)
+            km = key & kmask
+            is_t = valid & (km == prefix)
             tie_rank = n_ties + tl.cumsum(is_t.to(tl.int32), axis=0) - 1
-            sel = valid & ((key > prefix) | (is_t & (tie_rank < remaining)))
+            sel = valid & ((km > prefix) | (is_t & (tie_rank < remaining)))
             pos = n_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(out + pos + _below(idx, s_lo, s_hi, r_lo, total), idx, mask=sel)
             below_s += tl.sum((sel[None, :] & (idx[None, :] < sp[:, None])).to(tl.int32), axis=1)
@@ -189,14 +247,14 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
 def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv, n_chunks,
                   S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr,
                   TILE: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
-                  HAS_SS: tl.constexpr):
+                  HAS_SS: tl.constexpr, EARLY: tl.constexpr):
     row = tl.program_id(0)
     b = row // Hkv
     ss = 0
     if HAS_SS:
         ss = tl.load(ss_ptr + b)
     merge_row(row, tl.load(seqlen_ptr + b), ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK,
-              RECENT, M, TILE, KP, SP, RP, CP)
+              RECENT, M, TILE, KP, SP, RP, CP, EARLY)
 
 
 def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
@@ -218,11 +276,12 @@ def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, devi
 
 
 def merge_meta(ws: dict, k: int, sink_pages: int, recent_pages: int) -> dict:
-    """Compile-time sizes of :func:`merge_row` for a workspace."""
+    """Compile-time sizes of :func:`merge_row` for a workspace, and whether the radix passes stop
+    early (``ws["early_exit"]``, default EARLY_EXIT)."""
     m, n_chunks = ws["m"], ws["n_chunks"]
     return dict(M=m, TILE=max(m, min(4096, triton.next_power_of_2(n_chunks * m))), KP=triton.next_power_of_2(k),
                 SP=triton.next_power_of_2(max(sink_pages, 1)), RP=triton.next_power_of_2(recent_pages),
-                CP=triton.next_power_of_2(n_chunks))
+                CP=triton.next_power_of_2(n_chunks), EARLY=bool(ws.get("early_exit", EARLY_EXIT)))
 
 
 def check_select_args(k: int, sink_pages: int, recent_pages: int) -> None:
@@ -256,7 +315,7 @@ def select_pages_paged(ranking: torch.Tensor, seq_lens: torch.Tensor, *, page_si
     meta = dict(S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, HAS_SS=sink_start is not None)
     _chunk_kernel[(n_chunks, rows)](
         ranking, ranking.stride(0), ranking.stride(1), seq_lens, ss, ws["keys"], ws["idx"], ws["count"], hkv,
-        n_chunks, CH=ws["chunk"], M=ws["m"], num_warps=8, **meta,
+        n_chunks, CH=ws["chunk"], M=ws["m"], EARLY=bool(ws.get("early_exit", EARLY_EXIT)), num_warps=8, **meta,
     )
     _merge_kernel[(rows,)](
         seq_lens, ss, ws["keys"], ws["idx"], ws["count"], ws["out"], hkv, n_chunks,
