@@ -138,11 +138,11 @@ class DecodePlan:
     """Buffers and launch sizes for one decode step of a batch: plan once, ``run`` per layer.
 
     ``run`` scores every full page, selects ``k = config.pages_per_step`` pages per
-    (sequence, KV head) and attends them (Triton backend: the score kernel, the combine pass and the
-    two-launch selection, or from ``FUSED_MIN_PAGES`` pages per sequence, or with
-    ``fused_select=True``, the combine and the selection fused in one launch,
-    :mod:`kvlocks.selection.fused`; then the split-KV attention), writing into buffers owned by the plan: no allocation
+    (sequence, KV head) and attends them, writing into buffers owned by the plan: no allocation
     and no host synchronisation, so a whole step can be captured in a CUDA graph (Triton backend).
+    Triton backend: the score kernel, then the combine and the selection fused in one launch
+    (:mod:`kvlocks.selection.fused`; with ``fused_select=False``, or below ``FUSED_MIN_PAGES`` pages
+    per sequence, the combine pass and the two-launch selection), then the split-KV attention.
 
     Parameters
     ----------
