@@ -287,16 +287,19 @@ def finish_scores(ws, seq_lens, hkv, g, max_pages, s, combine, rank=True):
     """The score functions' last step: the combine pass (per-head LSE and ranking) unless ``rank`` is
     False, where a fused consumer (:func:`kvlocks.selection.fused.rank_and_select`) does it."""
     if not rank:
-        if combine not in RULES:
-            raise ValueError(f"combine rule {combine!r}: allowed {tuple(RULES)}")
+        _check_rule(combine)
         return ws["scores"], None, None
     _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine)
     return ws["scores"], ws["lse"], ws["ranking"]
 
 
-def _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine):
+def _check_rule(combine: str) -> None:
     if combine not in RULES:
         raise ValueError(f"combine rule {combine!r}: allowed {tuple(RULES)}")
+
+
+def _combine_launch(ws, seq_lens, hkv, g, max_pages, s, combine):
+    _check_rule(combine)
     rows = ws["stats"].shape[0]
     n2 = max(1, -(-max_pages // ws["ppp2"]))
     _combine_kernel[(n2, rows)](

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlocks.scoring.triton import _LN2, _LOG2E, RULES, row_lse2, stats_block
+from kvlocks.scoring.triton import _LN2, _LOG2E, RULES, _check_rule, row_lse2, stats_block
 from kvlocks.selection.triton import (
     _forced, _orderkey, check_select_args, chunk_winners, merge_meta, merge_row, select_workspace,
 )
@@ -160,8 +160,7 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
     int32 ``[B, Hkv, k]`` ascending logical page ids, -1 padded (a view of the workspace's buffer).
     """
     check_select_args(k, sink_pages, recent_pages)
-    if combine not in RULES:
-        raise ValueError(f"combine rule {combine!r}: allowed {tuple(RULES)}")
+    _check_rule(combine)
     scores = score_ws["scores"]
     bsz, hkv, g, max_pages = scores.shape
     if seq_lens.shape != (bsz,) or seq_lens.dtype != torch.int32:
