@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 
 # stop the radix passes once every key left in the threshold digit is chosen (same pages; fewer
-# passes on spread-out rankings). Off by default until measured on a GPU
-# (scripts/device/fused_select_probe.py --early both).
-EARLY_EXIT = False
+# passes on spread-out rankings). H200, session 8 (docs/results/gpu_session8/): the fused selection
+# alone at 1M 29.8 -> 24.9 us (glm4-9b-1m), 28.6 -> 24.7 (llama3-8b); GLM-4-9B TPOT at 1M
+# 12.64 -> 11.84 ms (scripts/device/select_ab.py --modes fused,fused_early, one machine).
+EARLY_EXIT = True
 
 def default_chunk(max_pages: int) -> int:
     """Pages per stage-1 program: an eighth of the row rounded down to a power of two, clamped to
