@@ -219,9 +219,9 @@ SELECT_CASES = [  # (token counts, k, sink, recent, ties, sink_start)
 ]
 
 
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early,regs", [(False, False), (True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("lens,k,sink,recent,ties,with_ss", SELECT_CASES)
-def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early):
+def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early, regs):
     gen = torch.Generator().manual_seed(k)
     bsz, hkv, max_pages = len(lens), 3, max(-(-n // S) for n in lens)
     ranking = torch.rand(bsz, hkv, max_pages, generator=gen)
@@ -231,6 +231,7 @@ def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early):
     ss = torch.randint(0, 4, (bsz,), generator=gen, dtype=torch.int32) if with_ss else None
     ws = sel_tri.select_workspace(bsz, hkv, max_pages, k, DEV, chunk=32)  # several chunks per row
     ws["early_exit"] = early  # radix passes stopped once the threshold digit is settled: same pages
+    ws["merge_in_registers"] = regs  # the merge's passes on one register tile (where the winners fit)
     dv = [t.to(DEV) if t is not None else None for t in (ranking, seq, ss)]
     got = sel_tri.select_pages_paged(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent,
                                      sink_start=dv[2], workspace=ws)
@@ -271,6 +272,7 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     fw = fused.fused_workspace(bsz, 2, max_pages, k, DEV, chunk=chunk)
     fw["unroll_heads"] = chunk == 32  # the compile-time loop over the heads, in one case
     fw["early_exit"] = chunk in (16, 64)  # the early-stopping radix passes, in two cases
+    fw["merge_in_registers"] = chunk in (16, 32)  # the merge on one register tile, in three cases
     sel = dict(page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
     got = fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).clone()
     _, lse, ranking = score_pages(q, store, table, seq, combine=rule, backend="torch")
@@ -284,9 +286,9 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     assert torch.equal(fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).cpu(), got.cpu())
 
 
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("early,regs", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("chunk", [16, 64, None])
-def test_rank_and_select_breaks_ties_by_page_index(chunk, early):
+def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs):
     """Hand-made scores with many exact ties (and statistics of one score program): the fused
     kernel picks exactly what the reference selection picks from the same ranking."""
     from kvlocks.selection import fused
@@ -305,6 +307,7 @@ def test_rank_and_select_breaks_ties_by_page_index(chunk, early):
     sw = {key: t.to(DEV) if isinstance(t, torch.Tensor) else t for key, t in sw.items()}
     fw = fused.fused_workspace(bsz, hkv, pages, k, DEV, chunk=chunk)
     fw["early_exit"] = early
+    fw["merge_in_registers"] = regs
     got = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=fw)
     exp = select_pages(sw["ranking"], seq.to(DEV), page_size=S, k=k, backend="torch")
     assert torch.equal(got.cpu(), exp.cpu())

@@ -7,7 +7,8 @@ For each shape, context and batch, on random per-head scores with their per-prog
   decode plan ran them until session 6;
 - ``fused@CH``: :func:`kvlocks.selection.fused.rank_and_select` at several pages per program
   (``default`` = :func:`default_fused_chunk`), each also with the radix passes stopped early
-  (``+early``, ``--early``),
+  (``+early``, ``--early``) and with the merge's passes on one register tile (``+regs``,
+  ``--regs``),
 
 each as a CUDA graph of ``--reps`` launches (median of 7 replays; inputs stay in L2, as they do
 in the decode step, where the score kernel has just written them), and checks that every fused
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=128)
     ap.add_argument("--early", default="both", choices=("off", "on", "both"),
                     help="radix passes stopped early (EARLY_EXIT) in the fused variants: off, on, or both")
+    ap.add_argument("--regs", default="off", choices=("off", "on", "both"),
+                    help="the merge's radix passes on one register tile (MERGE_IN_REGISTERS): off, on, or both")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -84,15 +87,17 @@ def main() -> None:
                 rows = [{**base, "variant": "unfused", "chunk": uw["chunk"], "n_chunks": uw["n_chunks"],
                          "us": _time(unfused, n_graph=args.reps)}]
                 seen = set()
-                early = {"off": (False,), "on": (True,), "both": (False, True)}[args.early]
-                for ch, ee in [(c, e) for c in args.chunks.split(",") for e in early]:
+                flags = {"off": (False,), "on": (True,), "both": (False, True)}
+                for ch, ee, rg in [(c, e, r) for c in args.chunks.split(",") for e in flags[args.early]
+                                   for r in flags[args.regs]]:
                     chunk = default_fused_chunk(pages) if ch == "default" else int(ch)
                     fw = fused_workspace(bsz, hkv, pages, args.k, dev, chunk=chunk)
                     fw["early_exit"] = ee
-                    if (fw["chunk"], ee) in seen:
+                    fw["merge_in_registers"] = rg
+                    if (fw["chunk"], ee, rg) in seen:
                         continue
-                    seen.add((fw["chunk"], ee))
-                    ch = ch + ("+early" if ee else "")
+                    seen.add((fw["chunk"], ee, rg))
+                    ch = ch + ("+early" if ee else "") + ("+regs" if rg else "")
 
                     def fused(fw=fw):
                         return rank_and_select(sw, seq, workspace=fw, **sel)

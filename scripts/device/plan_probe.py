@@ -82,7 +82,8 @@ def main() -> None:
                 "S+C+U+A": lambda: (S(), C(), U(), A(uw["out"])),
             }
             for name, opts in (("unroll", {"unroll_heads": True}), ("warps4", {"num_warps": 4}),
-                               ("warps16", {"num_warps": 16}), ("early", {"early_exit": True})):
+                               ("warps16", {"num_warps": 16}), ("early", {"early_exit": True}),
+                               ("late", {"early_exit": False}), ("regs", {"merge_in_registers": True})):
                 w = dict(fw, **opts)
                 seqs[f"S+F[{name}]"] = lambda w=w: (S(), F(w))
             for name, fn in seqs.items():

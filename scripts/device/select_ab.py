@@ -1,9 +1,10 @@
 """Same-machine A/B of the decode plan's two selection paths, end to end (issue 6).
 
-Runs ``kvlocks bench e2e`` (LOCKS only) once with the combine pass + two-launch selection at every
-context and once with the fused combine + selection (:mod:`kvlocks.selection.fused`) at every
-context, by setting ``kvlocks.dispatch.FUSED_MIN_PAGES`` (read when each decode plan is made).
-Writes ``OUT/unfused`` and ``OUT/fused`` (the bench's summary files) and prints both TPOTs.
+Runs ``kvlocks bench e2e`` (LOCKS only) once per mode (``MODES``): the combine pass + two-launch
+selection, or the fused combine + selection (:mod:`kvlocks.selection.fused`), with or without the
+early-stopping radix passes and the merge on registers, by setting
+``kvlocks.dispatch.FUSED_MIN_PAGES``, ``selection.triton.EARLY_EXIT`` and ``MERGE_IN_REGISTERS``.
+Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs.
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
 """
@@ -17,6 +18,11 @@ from kvlocks import dispatch
 from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 
+# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS); the early stop is the default since session 8
+MODES = {"unfused": (1 << 40, True, False), "fused": (0, True, False), "fused_early": (0, True, False),
+         "fused_noearly": (0, False, False), "fused_regs": (0, True, True)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="glm4-9b-1m")
@@ -24,7 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--fused-chunk", type=int, default=0, help="pages per fused program above one program per row "
                     "(0: default_fused_chunk)")
-    ap.add_argument("--modes", default="unfused,fused", help="any of unfused, fused, fused_early (comma-separated)")
+    ap.add_argument("--modes", default="unfused,fused", help="comma-separated, any of: " + ", ".join(MODES))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     ctx = tuple(int(c) for c in args.contexts.split(","))
@@ -38,8 +44,8 @@ def main() -> None:
     from kvlocks.selection import triton as sel_triton
 
     for mode in args.modes.split(","):
-        dispatch.FUSED_MIN_PAGES = {"unfused": 1 << 40, "fused": 0, "fused_early": 0}[mode]
-        sel_triton.EARLY_EXIT = mode == "fused_early"  # radix passes stopped early (read at each launch)
+        # read when each decode plan is made / at each launch
+        dispatch.FUSED_MIN_PAGES, sel_triton.EARLY_EXIT, sel_triton.MERGE_IN_REGISTERS = MODES[mode]
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
             print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), flush=True)

@@ -90,7 +90,7 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
                         SINK: tl.constexpr, RECENT: tl.constexpr, CH: tl.constexpr, M: tl.constexpr,
                         GP: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
                         KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
-                        HAS_SS: tl.constexpr, GU: tl.constexpr, EARLY: tl.constexpr):
+                        HAS_SS: tl.constexpr, GU: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr):
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -119,7 +119,7 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
     if ticket == n_chunks - 1:  # the last program of the row to arrive merges it
         tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
         merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK, RECENT, M, TILE, KP,
-                  SP, RP, CP, EARLY)
+                  SP, RP, CP, EARLY, REGS)
 
 
 def default_fused_chunk(max_pages: int) -> int:

@@ -26,6 +26,10 @@ import triton.language as tl
 # alone at 1M 29.8 -> 24.9 us (glm4-9b-1m), 28.6 -> 24.7 (llama3-8b); GLM-4-9B TPOT at 1M
 # 12.64 -> 11.84 ms (scripts/device/select_ab.py --modes fused,fused_early, one machine).
 EARLY_EXIT = True
+# the merge loads the chunks' winners once and runs its radix passes on registers when one tile
+# (<= 4096 keys) holds them all, instead of re-reading them from L2 for every pass (same pages).
+# Off until measured on a GPU (scripts/device/pending8.sh).
+MERGE_IN_REGISTERS = False
 
 def default_chunk(max_pages: int) -> int:
     """Pages per stage-1 program: an eighth of the row rounded down to a power of two, clamped to
@@ -173,10 +177,12 @@ def _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, 
 @triton.jit
 def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl.constexpr, K: tl.constexpr,
               SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
-              SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr, EARLY: tl.constexpr = False):
+              SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr, EARLY: tl.constexpr = False,
+              REGS: tl.constexpr = False):
     """Stage 2 for one row: the top ``K - forced`` of all chunks' winners, and the forced pages, in
     ascending page order into ``out_ptr[row]``. Loads bypass L1 (``.cg``): in the fused kernel the
-    winners were written by other programs of the same launch."""
+    winners were written by other programs of the same launch. With REGS (every winner fits one
+    TILE) the winners are loaded once and the radix passes run on registers, as in a chunk."""
     total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
     out = out_ptr + row.to(tl.int64) * K
     if total <= K:  # every page is attended
@@ -190,7 +196,14 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
         remaining = tl.maximum(K - f, 1)
         prefix = tl.full([], 0, tl.uint32)
         kmask = tl.full([], 0, tl.uint32)  # no digit fixed: every winner matches
-        if EARLY:  # passes until every winner left in the threshold digit is selected
+        if REGS:  # one tile holds every winner: one load, then the chunks' register passes
+            flat = tl.arange(0, TILE)
+            cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0, cache_modifier=".cg")
+            valid = (flat % M) < cnt
+            key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32,
+                                                                                              bitcast=True)
+            prefix, kmask, remaining = radix_threshold(key, valid, tl.minimum(remaining, n_win), EARLY)
+        elif EARLY:  # passes until every winner left in the threshold digit is selected
             n_in = n_win
             i = 0
             while (i < 8) & (n_in > remaining):
@@ -248,14 +261,14 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
 def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv, n_chunks,
                   S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr,
                   TILE: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
-                  HAS_SS: tl.constexpr, EARLY: tl.constexpr):
+                  HAS_SS: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr):
     row = tl.program_id(0)
     b = row // Hkv
     ss = 0
     if HAS_SS:
         ss = tl.load(ss_ptr + b)
     merge_row(row, tl.load(seqlen_ptr + b), ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK,
-              RECENT, M, TILE, KP, SP, RP, CP, EARLY)
+              RECENT, M, TILE, KP, SP, RP, CP, EARLY, REGS)
 
 
 def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
@@ -280,9 +293,11 @@ def merge_meta(ws: dict, k: int, sink_pages: int, recent_pages: int) -> dict:
     """Compile-time sizes of :func:`merge_row` for a workspace, and whether the radix passes stop
     early (``ws["early_exit"]``, default EARLY_EXIT)."""
     m, n_chunks = ws["m"], ws["n_chunks"]
-    return dict(M=m, TILE=max(m, min(4096, triton.next_power_of_2(n_chunks * m))), KP=triton.next_power_of_2(k),
+    tile = max(m, min(4096, triton.next_power_of_2(n_chunks * m)))
+    return dict(M=m, TILE=tile, KP=triton.next_power_of_2(k),
                 SP=triton.next_power_of_2(max(sink_pages, 1)), RP=triton.next_power_of_2(recent_pages),
-                CP=triton.next_power_of_2(n_chunks), EARLY=bool(ws.get("early_exit", EARLY_EXIT)))
+                CP=triton.next_power_of_2(n_chunks), EARLY=bool(ws.get("early_exit", EARLY_EXIT)),
+                REGS=bool(ws.get("merge_in_registers", MERGE_IN_REGISTERS)) and n_chunks * m <= tile)
 
 
 def check_select_args(k: int, sink_pages: int, recent_pages: int) -> None:
