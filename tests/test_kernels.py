@@ -219,9 +219,10 @@ SELECT_CASES = [  # (token counts, k, sink, recent, ties, sink_start)
 ]
 
 
-@pytest.mark.parametrize("early,regs", [(False, False), (True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("early,regs,bits", [(False, False, 4), (True, False, 4), (True, True, 4), (False, True, 4),
+                                             (True, True, 5), (False, False, 5)])
 @pytest.mark.parametrize("lens,k,sink,recent,ties,with_ss", SELECT_CASES)
-def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early, regs):
+def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early, regs, bits):
     gen = torch.Generator().manual_seed(k)
     bsz, hkv, max_pages = len(lens), 3, max(-(-n // S) for n in lens)
     ranking = torch.rand(bsz, hkv, max_pages, generator=gen)
@@ -232,6 +233,7 @@ def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early, r
     ws = sel_tri.select_workspace(bsz, hkv, max_pages, k, DEV, chunk=32)  # several chunks per row
     ws["early_exit"] = early  # radix passes stopped once the threshold digit is settled: same pages
     ws["merge_in_registers"] = regs  # the merge's passes on one register tile (where the winners fit)
+    ws["digit_bits"] = bits  # 4-bit digits (eight passes) or 5-bit (seven, the last 2 bits wide)
     dv = [t.to(DEV) if t is not None else None for t in (ranking, seq, ss)]
     got = sel_tri.select_pages_paged(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent,
                                      sink_start=dv[2], workspace=ws)
@@ -273,6 +275,7 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     fw["unroll_heads"] = chunk == 32  # the compile-time loop over the heads, in one case
     fw["early_exit"] = chunk in (16, 64)  # the early-stopping radix passes, in two cases
     fw["merge_in_registers"] = chunk in (16, 32)  # the merge on one register tile, in three cases
+    fw["digit_bits"] = 5 if chunk in (32, 64) else 4  # 5-bit radix digits, in two cases
     sel = dict(page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
     got = fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).clone()
     _, lse, ranking = score_pages(q, store, table, seq, combine=rule, backend="torch")
@@ -286,9 +289,10 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     assert torch.equal(fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).cpu(), got.cpu())
 
 
-@pytest.mark.parametrize("early,regs", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("early,regs,bits", [(False, False, 4), (True, False, 4), (True, True, 4), (True, True, 5),
+                                             (False, False, 5)])
 @pytest.mark.parametrize("chunk", [16, 64, None])
-def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs):
+def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs, bits):
     """Hand-made scores with many exact ties (and statistics of one score program): the fused
     kernel picks exactly what the reference selection picks from the same ranking."""
     from kvlocks.selection import fused
@@ -308,6 +312,7 @@ def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs):
     fw = fused.fused_workspace(bsz, hkv, pages, k, DEV, chunk=chunk)
     fw["early_exit"] = early
     fw["merge_in_registers"] = regs
+    fw["digit_bits"] = bits
     got = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=fw)
     exp = select_pages(sw["ranking"], seq.to(DEV), page_size=S, k=k, backend="torch")
     assert torch.equal(got.cpu(), exp.cpu())
@@ -327,6 +332,9 @@ def test_rank_and_select_rejects_bad_arguments():
         fused.rank_and_select(sw, seq.long(), page_size=S, k=4)
     with pytest.raises(ValueError, match="workspace is for output"):
         fused.rank_and_select(sw, seq, page_size=S, k=4, workspace=fused.fused_workspace(1, 2, 8, 5, DEV))
+    bad_bits = dict(fused.fused_workspace(1, 2, 8, 4, DEV), digit_bits=6)
+    with pytest.raises(ValueError, match="digit_bits=6: allowed 4 or 5"):
+        fused.rank_and_select(sw, seq, page_size=S, k=4, workspace=bad_bits)
 
 
 @pytest.mark.parametrize("lens,g,d,dtype,k", [

@@ -3,7 +3,7 @@
 The CPU tests run the kernels in the Triton interpreter, which does not lower them; code that is
 right in the interpreter can still fail to compile (loop-carried types, casts, layouts). Triton
 compiles ahead of time for a named target with its bundled ptxas, so this checks the compiled path
-of every variant of the selection kernels (the early-stopping radix passes and the register merge included) on CI.
+of every variant of the selection kernels (the early-stopping radix passes, the register merge and 5-bit digits included) on CI.
 
 The compile runs in a child process: ``tests/test_kernels.py`` sets ``TRITON_INTERPRET=1`` before
 it imports the kernel modules, which turns their ``@triton.jit`` functions into interpreted ones for
@@ -42,15 +42,16 @@ def main() -> None:
     """Compile every variant; assert on the PTX. Run by the test in a process without the interpreter."""
     from kvlocks.selection import fused, triton as sel
 
-    for early, regs in ((False, False), (True, True)):
+    for early, regs, bits in ((False, False, 4), (True, True, 4), (True, False, 5), (False, True, 5)):
         chunk = _compile(sel._chunk_kernel, CHUNK_ARGS,
-                         dict(S=16, K=128, SINK=1, RECENT=1, CH=1024, M=128, HAS_SS=False, EARLY=early), 8)
-        merge = _compile(sel._merge_kernel, MERGE_ARGS, dict(MERGE, EARLY=early, REGS=regs), 8)
+                         dict(S=16, K=128, SINK=1, RECENT=1, CH=1024, M=128, HAS_SS=False, EARLY=early, BITS=bits), 8)
+        merge = _compile(sel._merge_kernel, MERGE_ARGS, dict(MERGE, EARLY=early, REGS=regs, BITS=bits), 8)
         for k in (chunk, merge):
             assert len(k.asm["cubin"]) > 1000 and ".target sm_90" in k.asm["ptx"]
-    for early, regs, heads, warps in ((False, False, 8, 16), (True, True, 0, 8)):
+    for early, regs, bits, heads, warps in ((False, False, 4, 8, 16), (True, True, 5, 0, 8)):
         k = _compile(fused._rank_select_kernel, FUSED_ARGS,
-                     dict(MERGE, CH=4096, GP=8, RULE=0, BLOCK_K=256, GU=heads, EARLY=early, REGS=regs), warps)
+                     dict(MERGE, CH=4096, GP=8, RULE=0, BLOCK_K=256, GU=heads, EARLY=early, REGS=regs, BITS=bits),
+                     warps)
         ptx = k.asm["ptx"]
         assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 1000
         # the per-row arrival counter: one thread's acquire-release GPU-scope atomic after a CTA barrier

@@ -7,8 +7,8 @@ For each shape, context and batch, on random per-head scores with their per-prog
   decode plan ran them until session 6;
 - ``fused@CH``: :func:`kvlocks.selection.fused.rank_and_select` at several pages per program
   (``default`` = :func:`default_fused_chunk`), each also with the radix passes stopped early
-  (``+early``, ``--early``) and with the merge's passes on one register tile (``+regs``,
-  ``--regs``),
+  (``+early``, ``--early``), with the merge's passes on one register tile (``+regs``,
+  ``--regs``) and with 5-bit radix digits (``+bits5``, ``--bits 4,5``),
 
 each as a CUDA graph of ``--reps`` launches (median of 7 replays; inputs stay in L2, as they do
 in the decode step, where the score kernel has just written them), and checks that every fused
@@ -63,6 +63,7 @@ def main() -> None:
                     help="radix passes stopped early (EARLY_EXIT) in the fused variants: off, on, or both")
     ap.add_argument("--regs", default="off", choices=("off", "on", "both"),
                     help="the merge's radix passes on one register tile (MERGE_IN_REGISTERS): off, on, or both")
+    ap.add_argument("--bits", default="4", help="radix digit widths to try in the fused variants, e.g. 4,5")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -88,16 +89,17 @@ def main() -> None:
                          "us": _time(unfused, n_graph=args.reps)}]
                 seen = set()
                 flags = {"off": (False,), "on": (True,), "both": (False, True)}
-                for ch, ee, rg in [(c, e, r) for c in args.chunks.split(",") for e in flags[args.early]
-                                   for r in flags[args.regs]]:
+                for ch, ee, rg, bits in [(c, e, r, int(b)) for c in args.chunks.split(",") for e in flags[args.early]
+                                         for r in flags[args.regs] for b in args.bits.split(",")]:
                     chunk = default_fused_chunk(pages) if ch == "default" else int(ch)
                     fw = fused_workspace(bsz, hkv, pages, args.k, dev, chunk=chunk)
                     fw["early_exit"] = ee
                     fw["merge_in_registers"] = rg
-                    if (fw["chunk"], ee, rg) in seen:
+                    fw["digit_bits"] = bits
+                    if (fw["chunk"], ee, rg, bits) in seen:
                         continue
-                    seen.add((fw["chunk"], ee, rg))
-                    ch = ch + ("+early" if ee else "") + ("+regs" if rg else "")
+                    seen.add((fw["chunk"], ee, rg, bits))
+                    ch = ch + ("+early" if ee else "") + ("+regs" if rg else "") + ("+bits5" if bits == 5 else "")
 
                     def fused(fw=fw):
                         return rank_and_select(sw, seq, workspace=fw, **sel)

@@ -83,7 +83,9 @@ def main() -> None:
             }
             for name, opts in (("unroll", {"unroll_heads": True}), ("warps4", {"num_warps": 4}),
                                ("warps16", {"num_warps": 16}), ("early", {"early_exit": True}),
-                               ("late", {"early_exit": False}), ("regs", {"merge_in_registers": True})):
+                               ("late", {"early_exit": False}), ("regs", {"merge_in_registers": True}),
+                               ("bits5", {"digit_bits": 5}), ("regs+bits5", {"merge_in_registers": True,
+                                                                              "digit_bits": 5})):
                 w = dict(fw, **opts)
                 seqs[f"S+F[{name}]"] = lambda w=w: (S(), F(w))
             for name, fn in seqs.items():

@@ -2,8 +2,9 @@
 
 Runs ``kvlocks bench e2e`` (LOCKS only) once per mode (``MODES``): the combine pass + two-launch
 selection, or the fused combine + selection (:mod:`kvlocks.selection.fused`), with or without the
-early-stopping radix passes and the merge on registers, by setting
-``kvlocks.dispatch.FUSED_MIN_PAGES``, ``selection.triton.EARLY_EXIT`` and ``MERGE_IN_REGISTERS``.
+early-stopping radix passes, the merge on registers and 5-bit digits, by setting
+``kvlocks.dispatch.FUSED_MIN_PAGES``, ``selection.triton.EARLY_EXIT``, ``MERGE_IN_REGISTERS`` and
+``DIGIT_BITS``.
 Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs.
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
@@ -18,9 +19,11 @@ from kvlocks import dispatch
 from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 
-# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS); the early stop is the default since session 8
-MODES = {"unfused": (1 << 40, True, False), "fused": (0, True, False), "fused_early": (0, True, False),
-         "fused_noearly": (0, False, False), "fused_regs": (0, True, True)}
+# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS, DIGIT_BITS); the early stop is the default
+# since session 8
+MODES = {"unfused": (1 << 40, True, False, 4), "fused": (0, True, False, 4), "fused_early": (0, True, False, 4),
+         "fused_noearly": (0, False, False, 4), "fused_regs": (0, True, True, 4), "fused_bits5": (0, True, False, 5),
+         "fused_regs_bits5": (0, True, True, 5)}
 
 
 def main() -> None:
@@ -45,7 +48,8 @@ def main() -> None:
 
     for mode in args.modes.split(","):
         # read when each decode plan is made / at each launch
-        dispatch.FUSED_MIN_PAGES, sel_triton.EARLY_EXIT, sel_triton.MERGE_IN_REGISTERS = MODES[mode]
+        (dispatch.FUSED_MIN_PAGES, sel_triton.EARLY_EXIT, sel_triton.MERGE_IN_REGISTERS,
+         sel_triton.DIGIT_BITS) = MODES[mode]
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
             print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), flush=True)

@@ -30,6 +30,10 @@ EARLY_EXIT = True
 # (<= 4096 keys) holds them all, instead of re-reading them from L2 for every pass (same pages).
 # Off until measured on a GPU (scripts/device/pending8.sh).
 MERGE_IN_REGISTERS = False
+# radix digit width: 4 (eight passes; the 32-bin histogram's upper half counts the keys that do not
+# match the prefix) or 5 (seven passes, the same 32-bin histogram with a mask). Same pages. 4 until
+# 5 is measured on a GPU (scripts/device/pending8.sh).
+DIGIT_BITS = 4
 
 def default_chunk(max_pages: int) -> int:
     """Pages per stage-1 program: an eighth of the row rounded down to a power of two, clamped to
@@ -72,61 +76,77 @@ def _below(x, s_lo, s_hi, r_lo, total):
 
 
 @triton.jit
-def _pick_digit(hist, remaining):
+def _pick_digit(hist, remaining, BITS: tl.constexpr):
     """Digit d* holding the remaining-th largest key, how many keys lie in higher digits, and how
-    many in d* itself."""
+    many in d* itself (``hist``: 32 bins, the digits in the first 2**BITS)."""
     d = tl.arange(0, 32)
-    h = tl.where(d < 16, hist, 0)
+    nb: tl.constexpr = 1 << BITS
+    h = tl.where(d < nb, hist, 0)
     ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
-    dstar = tl.max(tl.where((ge >= remaining) & (d < 16), d, -1), axis=0)
+    dstar = tl.max(tl.where((ge >= remaining) & (d < nb), d, -1), axis=0)
     above = tl.sum(tl.where(d > dstar, h, 0), axis=0)
     inside = tl.sum(tl.where(d == dstar, h, 0), axis=0)
     return dstar, above, inside
 
 
 @triton.jit
-def _digit_bins(key, match, shift):
-    return tl.where(match, ((key >> shift) & 15).to(tl.int32), 16)
+def _digit(i, BITS: tl.constexpr):
+    """Pass i's digit of a 32-bit key, from the top: (shift, mask). BITS-bit digits; with BITS = 5 the
+    seventh and last is 2 bits wide."""
+    shift = tl.maximum(32 - BITS * (i + 1), 0)
+    width = tl.minimum(32 - BITS * i, BITS)
+    return shift.to(tl.uint32), ((1 << width) - 1).to(tl.uint32)
 
 
 @triton.jit
-def radix_threshold(key, valid, need, EARLY: tl.constexpr):
+def _digit_hist(key, match, shift, dmask, BITS: tl.constexpr):
+    """32-bin histogram of the keys' digit at ``shift`` over the keys where ``match``."""
+    d = ((key >> shift) & dmask).to(tl.int32)
+    if BITS == 4:  # 16 digits; the unmatched keys counted in bin 16
+        return tl.histogram(tl.where(match, d, 16), 32)
+    else:  # 32 digits; the unmatched keys masked off
+        return tl.histogram(d, 32, mask=match)
+
+
+@triton.jit
+def radix_threshold(key, valid, need, EARLY: tl.constexpr, BITS: tl.constexpr = 4):
     """(prefix, kmask, remaining): the ``need``-th largest valid key's leading digits. Selected are
     the valid keys with ``key & kmask > prefix`` and the first ``remaining`` (by index) with
-    ``key & kmask == prefix``. Eight 4-bit digits; with EARLY the passes stop as soon as every key
-    left in the threshold digit is selected (``kmask`` then covers only the digits fixed)."""
+    ``key & kmask == prefix``. Digits of BITS bits (4: eight passes, 5: seven); with EARLY the passes
+    stop as soon as every key left in the threshold digit is selected (``kmask`` then covers only
+    the digits fixed)."""
+    n_pass: tl.constexpr = (32 + BITS - 1) // BITS
     remaining = tl.maximum(need, 1)
     prefix = tl.full([], 0, tl.uint32)
+    kmask = tl.full([], 0, tl.uint32)
     if EARLY:
-        kmask = tl.full([], 0, tl.uint32)
         n_in = tl.sum(valid.to(tl.int32), axis=0)  # valid keys matching the prefix so far
         i = 0
-        while (i < 8) & (n_in > remaining):
-            shift = (28 - 4 * i).to(tl.uint32)
+        while (i < n_pass) & (n_in > remaining):
+            shift, dmask = _digit(i, BITS)
             dstar, above, n_in = _pick_digit(
-                tl.histogram(_digit_bins(key, valid & ((key & kmask) == prefix), shift), 32), remaining)
+                _digit_hist(key, valid & ((key & kmask) == prefix), shift, dmask, BITS), remaining, BITS)
             remaining -= above
             prefix = prefix | (dstar.to(tl.uint32) << shift)
-            kmask = kmask | (tl.full([], 15, tl.uint32) << shift)
+            kmask = kmask | (dmask << shift)
             i += 1
     else:
-        for i in tl.static_range(8):
-            shift = 28 - 4 * i  # constexpr (static_range)
-            hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
+        for i in tl.static_range(n_pass):
+            shift, dmask = _digit(i, BITS)
             dstar, above, _ = _pick_digit(
-                tl.histogram(_digit_bins(key, valid & ((key & hi_mask) == prefix), shift), 32), remaining)
+                _digit_hist(key, valid & ((key & kmask) == prefix), shift, dmask, BITS), remaining, BITS)
             remaining -= above
             prefix = prefix | (dstar.to(tl.uint32) << shift)
-        kmask = tl.full([], 0xFFFFFFFF, tl.uint32)
+            kmask = kmask | (dmask << shift)
     return prefix, kmask, remaining
 
 
 @triton.jit
 def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M: tl.constexpr,
-                  EARLY: tl.constexpr = False):
+                  EARLY: tl.constexpr = False, BITS: tl.constexpr = 4):
     """Radix-select the ``need`` largest of ``key`` where ``valid`` (ties to the lower index) and write
     them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``."""
-    prefix, kmask, remaining = radix_threshold(key, valid, need, EARLY)
+    prefix, kmask, remaining = radix_threshold(key, valid, need, EARLY, BITS)
     km = key & kmask
     is_t = valid & (km == prefix)
     tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
@@ -140,7 +160,8 @@ def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M:
 @triton.jit
 def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, Hkv,
                   n_chunks, S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-                  CH: tl.constexpr, M: tl.constexpr, HAS_SS: tl.constexpr, EARLY: tl.constexpr):
+                  CH: tl.constexpr, M: tl.constexpr, HAS_SS: tl.constexpr, EARLY: tl.constexpr,
+                  BITS: tl.constexpr):
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -157,12 +178,12 @@ def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, 
     x = tl.load(rank_ptr + b.to(tl.int64) * stride_rb + h * stride_rh + offs, mask=valid, other=0.0)
     need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
     chunk_winners(_orderkey(x), valid, offs, need, (row * n_chunks + c).to(tl.int64), ckey_ptr, cidx_ptr, ccnt_ptr, M,
-                  EARLY)
+                  EARLY, BITS)
 
 
 @triton.jit
-def _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, M: tl.constexpr,
-                TILE: tl.constexpr):
+def _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, dmask, M: tl.constexpr,
+                TILE: tl.constexpr, BITS: tl.constexpr):
     """Digit histogram (at ``shift``) of the row's chunk winners whose fixed digits equal ``prefix``."""
     hist = tl.zeros([32], tl.int32)
     for t0 in range(0, n_flat, TILE):
@@ -170,7 +191,7 @@ def _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, 
         cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0, cache_modifier=".cg")
         valid = (flat % M) < cnt
         key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        hist += tl.histogram(_digit_bins(key, valid & ((key & kmask) == prefix), shift), 32)
+        hist += _digit_hist(key, valid & ((key & kmask) == prefix), shift, dmask, BITS)
     return hist
 
 
@@ -178,7 +199,7 @@ def _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, 
 def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl.constexpr, K: tl.constexpr,
               SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
               SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr, EARLY: tl.constexpr = False,
-              REGS: tl.constexpr = False):
+              REGS: tl.constexpr = False, BITS: tl.constexpr = 4):
     """Stage 2 for one row: the top ``K - forced`` of all chunks' winners, and the forced pages, in
     ascending page order into ``out_ptr[row]``. Loads bypass L1 (``.cg``): in the fused kernel the
     winners were written by other programs of the same launch. With REGS (every winner fits one
@@ -202,31 +223,30 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
             valid = (flat % M) < cnt
             key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32,
                                                                                               bitcast=True)
-            prefix, kmask, remaining = radix_threshold(key, valid, tl.minimum(remaining, n_win), EARLY)
+            prefix, kmask, remaining = radix_threshold(key, valid, tl.minimum(remaining, n_win), EARLY, BITS)
         elif EARLY:  # passes until every winner left in the threshold digit is selected
             n_in = n_win
             i = 0
-            while (i < 8) & (n_in > remaining):
-                shift = (28 - 4 * i).to(tl.uint32)
+            while (i < (32 + BITS - 1) // BITS) & (n_in > remaining):
+                shift, dmask = _digit(i, BITS)
                 dstar, above, n_in = _pick_digit(
-                    _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, M, TILE),
-                    remaining)
+                    _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, dmask, M,
+                                TILE, BITS), remaining, BITS)
                 remaining -= above
                 prefix = prefix | (dstar.to(tl.uint32) << shift)
-                kmask = kmask | (tl.full([], 15, tl.uint32) << shift)
+                kmask = kmask | (dmask << shift)
                 i += 1
         elif n_win <= remaining:  # every winner is selected (one chunk, or few candidates): no radix pass
             remaining = n_win
         else:
-            for i in tl.static_range(8):
-                shift = 28 - 4 * i  # constexpr (static_range)
-                hi_mask = (0xFFFFFFFF << (32 - 4 * i)) & 0xFFFFFFFF  # digits already fixed
+            for i in tl.static_range((32 + BITS - 1) // BITS):
+                shift, dmask = _digit(i, BITS)
                 dstar, above, _ = _pick_digit(
-                    _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, hi_mask, prefix, shift, M, TILE),
-                    remaining)
+                    _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, dmask, M,
+                                TILE, BITS), remaining, BITS)
                 remaining -= above
                 prefix = prefix | (dstar.to(tl.uint32) << shift)
-            kmask = tl.full([], 0xFFFFFFFF, tl.uint32)
+                kmask = kmask | (dmask << shift)
         # compaction in page order; forced pages get their slots from the counts below them
         sp = s_lo + tl.arange(0, SP)
         sp_ok = sp < s_hi
@@ -261,14 +281,14 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
 def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv, n_chunks,
                   S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr,
                   TILE: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
-                  HAS_SS: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr):
+                  HAS_SS: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr, BITS: tl.constexpr):
     row = tl.program_id(0)
     b = row // Hkv
     ss = 0
     if HAS_SS:
         ss = tl.load(ss_ptr + b)
     merge_row(row, tl.load(seqlen_ptr + b), ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK,
-              RECENT, M, TILE, KP, SP, RP, CP, EARLY, REGS)
+              RECENT, M, TILE, KP, SP, RP, CP, EARLY, REGS, BITS)
 
 
 def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
@@ -297,7 +317,16 @@ def merge_meta(ws: dict, k: int, sink_pages: int, recent_pages: int) -> dict:
     return dict(M=m, TILE=tile, KP=triton.next_power_of_2(k),
                 SP=triton.next_power_of_2(max(sink_pages, 1)), RP=triton.next_power_of_2(recent_pages),
                 CP=triton.next_power_of_2(n_chunks), EARLY=bool(ws.get("early_exit", EARLY_EXIT)),
-                REGS=bool(ws.get("merge_in_registers", MERGE_IN_REGISTERS)) and n_chunks * m <= tile)
+                REGS=bool(ws.get("merge_in_registers", MERGE_IN_REGISTERS)) and n_chunks * m <= tile,
+                BITS=digit_bits(ws))
+
+
+def digit_bits(ws: dict) -> int:
+    """Radix digit width of a workspace's selection (``ws["digit_bits"]``, default DIGIT_BITS): 4 or 5."""
+    bits = int(ws.get("digit_bits", DIGIT_BITS))
+    if bits not in (4, 5):
+        raise ValueError(f"digit_bits={bits}: allowed 4 or 5")
+    return bits
 
 
 def check_select_args(k: int, sink_pages: int, recent_pages: int) -> None:
@@ -331,7 +360,8 @@ def select_pages_paged(ranking: torch.Tensor, seq_lens: torch.Tensor, *, page_si
     meta = dict(S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, HAS_SS=sink_start is not None)
     _chunk_kernel[(n_chunks, rows)](
         ranking, ranking.stride(0), ranking.stride(1), seq_lens, ss, ws["keys"], ws["idx"], ws["count"], hkv,
-        n_chunks, CH=ws["chunk"], M=ws["m"], EARLY=bool(ws.get("early_exit", EARLY_EXIT)), num_warps=8, **meta,
+        n_chunks, CH=ws["chunk"], M=ws["m"], EARLY=bool(ws.get("early_exit", EARLY_EXIT)), BITS=digit_bits(ws),
+        num_warps=8, **meta,
     )
     _merge_kernel[(rows,)](
         seq_lens, ss, ws["keys"], ws["idx"], ws["count"], ws["out"], hkv, n_chunks,
