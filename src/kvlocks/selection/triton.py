@@ -310,8 +310,10 @@ def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, devi
 
 
 def merge_meta(ws: dict, k: int, sink_pages: int, recent_pages: int) -> dict:
-    """Compile-time sizes of :func:`merge_row` for a workspace, and whether the radix passes stop
-    early (``ws["early_exit"]``, default EARLY_EXIT)."""
+    """Compile-time sizes of :func:`merge_row` for a workspace and its radix options: early stop
+    (``ws["early_exit"]``, default EARLY_EXIT), merge on registers where one tile holds every
+    winner (``ws["merge_in_registers"]``, default MERGE_IN_REGISTERS), digit width
+    (:func:`digit_bits`)."""
     m, n_chunks = ws["m"], ws["n_chunks"]
     tile = max(m, min(4096, triton.next_power_of_2(n_chunks * m)))
     return dict(M=m, TILE=tile, KP=triton.next_power_of_2(k),
