@@ -99,6 +99,24 @@ def _digit(i, BITS: tl.constexpr):
 
 
 @triton.jit
+def _more_passes(i, n_in, remaining, EARLY: tl.constexpr, BITS: tl.constexpr):
+    """Another radix pass? Until the last digit; with EARLY only while the threshold digit holds
+    more keys than are left to choose."""
+    last = i < (32 + BITS - 1) // BITS
+    if EARLY:
+        return last & (n_in > remaining)
+    else:
+        return last
+
+
+@triton.jit
+def _advance(hist, shift, dmask, remaining, prefix, kmask, BITS: tl.constexpr):
+    """One radix pass from its digit histogram: (remaining, prefix, kmask, keys in the threshold digit)."""
+    dstar, above, n_in = _pick_digit(hist, remaining, BITS)
+    return remaining - above, prefix | (dstar.to(tl.uint32) << shift), kmask | (dmask << shift), n_in
+
+
+@triton.jit
 def _digit_hist(key, match, shift, dmask, BITS: tl.constexpr):
     """32-bin histogram of the keys' digit at ``shift`` over the keys where ``match``."""
     d = ((key >> shift) & dmask).to(tl.int32)
@@ -115,29 +133,17 @@ def radix_threshold(key, valid, need, EARLY: tl.constexpr, BITS: tl.constexpr = 
     ``key & kmask == prefix``. Digits of BITS bits (4: eight passes, 5: seven); with EARLY the passes
     stop as soon as every key left in the threshold digit is selected (``kmask`` then covers only
     the digits fixed)."""
-    n_pass: tl.constexpr = (32 + BITS - 1) // BITS
     remaining = tl.maximum(need, 1)
     prefix = tl.full([], 0, tl.uint32)
     kmask = tl.full([], 0, tl.uint32)
-    if EARLY:
-        n_in = tl.sum(valid.to(tl.int32), axis=0)  # valid keys matching the prefix so far
-        i = 0
-        while (i < n_pass) & (n_in > remaining):
-            shift, dmask = _digit(i, BITS)
-            dstar, above, n_in = _pick_digit(
-                _digit_hist(key, valid & ((key & kmask) == prefix), shift, dmask, BITS), remaining, BITS)
-            remaining -= above
-            prefix = prefix | (dstar.to(tl.uint32) << shift)
-            kmask = kmask | (dmask << shift)
-            i += 1
-    else:
-        for i in tl.static_range(n_pass):
-            shift, dmask = _digit(i, BITS)
-            dstar, above, _ = _pick_digit(
-                _digit_hist(key, valid & ((key & kmask) == prefix), shift, dmask, BITS), remaining, BITS)
-            remaining -= above
-            prefix = prefix | (dstar.to(tl.uint32) << shift)
-            kmask = kmask | (dmask << shift)
+    n_in = tl.sum(valid.to(tl.int32), axis=0)  # valid keys matching the prefix so far
+    i = 0
+    while _more_passes(i, n_in, remaining, EARLY, BITS):
+        shift, dmask = _digit(i, BITS)
+        remaining, prefix, kmask, n_in = _advance(
+            _digit_hist(key, valid & ((key & kmask) == prefix), shift, dmask, BITS), shift, dmask, remaining,
+            prefix, kmask, BITS)
+        i += 1
     return prefix, kmask, remaining
 
 
@@ -224,29 +230,17 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
             key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32,
                                                                                               bitcast=True)
             prefix, kmask, remaining = radix_threshold(key, valid, tl.minimum(remaining, n_win), EARLY, BITS)
-        elif EARLY:  # passes until every winner left in the threshold digit is selected
-            n_in = n_win
-            i = 0
-            while (i < (32 + BITS - 1) // BITS) & (n_in > remaining):
-                shift, dmask = _digit(i, BITS)
-                dstar, above, n_in = _pick_digit(
-                    _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, dmask, M,
-                                TILE, BITS), remaining, BITS)
-                remaining -= above
-                prefix = prefix | (dstar.to(tl.uint32) << shift)
-                kmask = kmask | (dmask << shift)
-                i += 1
         elif n_win <= remaining:  # every winner is selected (one chunk, or few candidates): no radix pass
             remaining = n_win
-        else:
-            for i in tl.static_range((32 + BITS - 1) // BITS):
+        else:  # radix passes over the winners, re-read from L2 each pass
+            n_in = n_win
+            i = 0
+            while _more_passes(i, n_in, remaining, EARLY, BITS):
                 shift, dmask = _digit(i, BITS)
-                dstar, above, _ = _pick_digit(
+                remaining, prefix, kmask, n_in = _advance(
                     _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, shift, dmask, M,
-                                TILE, BITS), remaining, BITS)
-                remaining -= above
-                prefix = prefix | (dstar.to(tl.uint32) << shift)
-                kmask = kmask | (dmask << shift)
+                                TILE, BITS), shift, dmask, remaining, prefix, kmask, BITS)
+                i += 1
         # compaction in page order; forced pages get their slots from the counts below them
         sp = s_lo + tl.arange(0, SP)
         sp_ok = sp < s_hi
