@@ -10,12 +10,12 @@ set -u
 out=${1:?output folder}
 export PYTHONPATH=$PWD/src PATH=/usr/local/cuda/bin:$PATH
 mkdir -p "$out"
-timeout 120 python scripts/device/fused_select_probe.py --early on --regs both --bits 4,5 --chunks default --batches 1,4 \
+timeout 120 python scripts/device/fused_select_probe.py --early on --regs both --bits 4,5 --chunks default --batches 1 \
     --out "$out/fused_select_regs.jsonl" > /dev/null 2> "$out/fused_select_regs.err"
-timeout 100 python scripts/device/plan_probe.py --out "$out/plan_probe_regs.jsonl" > /dev/null 2> "$out/plan_probe.err"
+timeout 130 python scripts/device/plan_probe.py --out "$out/plan_probe_regs.jsonl" > /dev/null 2> "$out/plan_probe.err"
 timeout 200 python scripts/device/select_ab.py --modes fused,fused_regs,fused_bits5,fused_regs_bits5 --contexts 1048576,131072,32768 \
     --out "$out/select_ab_regs" > "$out/select_ab_regs.txt" 2>&1
-timeout 120 python -m pytest -v -p no:cacheprovider tests/test_kernels.py -k "build_matches_reference and (dtype2 or dtype3) or incremental" \
+timeout 100 python -m pytest -v -p no:cacheprovider tests/test_kernels.py -k "build_matches_reference and (dtype2 or dtype3) or incremental" \
     > "$out/pytest_gpu_build.txt" 2>&1
 grep -cE "PASSED" "$out/pytest_gpu_build.txt"; grep -E "FAILED|passed|failed" "$out/pytest_gpu_build.txt" | tail -3
 grep -E "^fused" "$out/select_ab_regs.txt"
