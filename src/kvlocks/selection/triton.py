@@ -35,6 +35,7 @@ MERGE_IN_REGISTERS = False
 # 5 is measured on a GPU (scripts/device/pending8.sh).
 DIGIT_BITS = 4
 
+
 def default_chunk(max_pages: int) -> int:
     """Pages per stage-1 program: an eighth of the row rounded down to a power of two, clamped to
     1024 to 4096. Measured on the H200
@@ -102,11 +103,11 @@ def _digit(i, BITS: tl.constexpr):
 def _more_passes(i, n_in, remaining, EARLY: tl.constexpr, BITS: tl.constexpr):
     """Another radix pass? Until the last digit; with EARLY only while the threshold digit holds
     more keys than are left to choose."""
-    last = i < (32 + BITS - 1) // BITS
+    digits_left = i < (32 + BITS - 1) // BITS
     if EARLY:
-        return last & (n_in > remaining)
+        return digits_left & (n_in > remaining)
     else:
-        return last
+        return digits_left
 
 
 @triton.jit
