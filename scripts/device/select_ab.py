@@ -20,8 +20,8 @@ from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 
 # mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS, DIGIT_BITS); the early stop is the default
-# since session 8
-MODES = {"unfused": (1 << 40, True, False, 4), "fused": (0, True, False, 4), "fused_early": (0, True, False, 4),
+# since session 8, register merge and 5-bit digits since session 9 (mode "fused_regs_bits5" = the default)
+MODES = {"unfused": (1 << 40, True, True, 5), "fused": (0, True, False, 4), "fused_early": (0, True, False, 4),
          "fused_noearly": (0, False, False, 4), "fused_regs": (0, True, True, 4), "fused_bits5": (0, True, False, 5),
          "fused_regs_bits5": (0, True, True, 5)}
 

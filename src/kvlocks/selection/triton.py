@@ -28,12 +28,14 @@ import triton.language as tl
 EARLY_EXIT = True
 # the merge loads the chunks' winners once and runs its radix passes on registers when one tile
 # (<= 4096 keys) holds them all, instead of re-reading them from L2 for every pass (same pages).
-# Off until measured on a GPU (scripts/device/pending8.sh).
-MERGE_IN_REGISTERS = False
 # radix digit width: 4 (eight passes; the 32-bin histogram's upper half counts the keys that do not
-# match the prefix) or 5 (seven passes, the same 32-bin histogram with a mask). Same pages. 4 until
-# 5 is measured on a GPU (scripts/device/pending8.sh).
-DIGIT_BITS = 4
+# match the prefix) or 5 (seven passes, the same 32-bin histogram with a mask). Same pages.
+# H200, session 9 (docs/results/gpu_session9/, scripts/device/pending8.sh): the fused selection alone
+# at 1M 25.0 -> 22.4 us (llama3-8b), 24.6 -> 23.5 (glm4-9b-1m); after the score kernel at 1M
+# 188.9 -> 185.5 us (llama3-8b), 122.9 -> 120.7 (glm4); GLM-4-9B TPOT 1M 12.21 -> 12.06 ms, 128K
+# 8.40 -> 8.32, 32K 7.56 -> 7.49 (select_ab.py --modes fused,fused_regs_bits5, one machine).
+MERGE_IN_REGISTERS = True
+DIGIT_BITS = 5
 
 
 def default_chunk(max_pages: int) -> int:
