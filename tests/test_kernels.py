@@ -184,8 +184,13 @@ def test_cuda_score_kernel_matches_reference(g, d, dtype, factor):
     store = built_store(k, table, seq, LocksConfig())
     assert cuda_mma.supports(q, g, store), cuda_mma.unavailable_reason(q.device)
     scale = 1.0 / (factor * d ** 0.5) if factor != 40.0 else None
-    for ppp in (None, 16, 48):  # default sizing; warps whose tiles end early; several tiles per warp
+    # default sizing; warps whose tiles end early; several tiles per warp; then the balanced split
+    # (each sequence's tiles evenly over the programs): more programs than the short rows' tiles,
+    # runs of a few tiles, one program per row
+    for ppp, balanced in ((None, False), (16, False), (48, False), (5, True), (100, True), (1 << 20, True)):
         ws = None if ppp is None else score_tri.score_workspace(len(seq), 2, g, table.shape[1], q.device, ppp)
+        if balanced:
+            ws["balanced"] = True
         got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale, workspace=ws)
         exp = score_pages(q, store, table, seq, backend="torch", scale=scale)
         _assert_scores_match(got, exp, seq)

@@ -4,7 +4,8 @@ Runs ``kvlocks bench e2e`` (LOCKS only) once per mode (``MODES``): the combine p
 selection, or the fused combine + selection (:mod:`kvlocks.selection.fused`), with or without the
 early-stopping radix passes, the merge on registers and 5-bit digits, by setting
 ``kvlocks.dispatch.FUSED_MIN_PAGES``, ``selection.triton.EARLY_EXIT``, ``MERGE_IN_REGISTERS`` and
-``DIGIT_BITS``.
+``DIGIT_BITS``, and with the CUDA score kernel's static or balanced page split
+(``scoring.cuda_mma.BALANCED``).
 Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs.
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
@@ -19,11 +20,12 @@ from kvlocks import dispatch
 from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 
-# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS, DIGIT_BITS); the early stop is the default
-# since session 8, register merge and 5-bit digits since session 9 (mode "fused_regs_bits5" = the default)
-MODES = {"unfused": (1 << 40, True, True, 5), "fused": (0, True, False, 4), "fused_early": (0, True, False, 4),
-         "fused_noearly": (0, False, False, 4), "fused_regs": (0, True, True, 4), "fused_bits5": (0, True, False, 5),
-         "fused_regs_bits5": (0, True, True, 5)}
+# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS, DIGIT_BITS, cuda_mma.BALANCED); the early stop is
+# the default since session 8, register merge and 5-bit digits since session 9 ("fused_regs_bits5")
+MODES = {"unfused": (1 << 40, True, True, 5, False), "fused": (0, True, False, 4, False),
+         "fused_early": (0, True, False, 4, False), "fused_noearly": (0, False, False, 4, False),
+         "fused_regs": (0, True, True, 4, False), "fused_bits5": (0, True, False, 5, False),
+         "fused_regs_bits5": (0, True, True, 5, False), "balanced": (0, True, True, 5, True)}
 
 
 def main() -> None:
@@ -44,12 +46,13 @@ def main() -> None:
 
         base = fused.default_fused_chunk
         fused.default_fused_chunk = lambda p: base(p) if p <= fused.SINGLE_MAX else args.fused_chunk
+    from kvlocks.scoring import cuda_mma
     from kvlocks.selection import triton as sel_triton
 
     for mode in args.modes.split(","):
         # read when each decode plan is made / at each launch
         (dispatch.FUSED_MIN_PAGES, sel_triton.EARLY_EXIT, sel_triton.MERGE_IN_REGISTERS,
-         sel_triton.DIGIT_BITS) = MODES[mode]
+         sel_triton.DIGIT_BITS, cuda_mma.BALANCED) = MODES[mode]
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
             print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), flush=True)

@@ -29,6 +29,15 @@ SOURCE = Path(__file__).with_name("score_mma.cu")
 HEAD_DIMS = (64, 128)
 WARPS = 4
 TILE = 16  # pages per warp iteration: pages per program are a multiple of it
+# How a row's pages are split among its programs: False, ``ppp`` consecutive pages each (a multiple
+# of TILE * warps, about one wave of resident blocks); True, the sequence's tiles in near-equal runs
+# over the programs (workspace key ``balanced``; ``pages_per_program(..., balanced=True)`` sizes the
+# launch to fill one wave). Same scores either way. Off: on the H200 (session 9,
+# scripts/device/split_probe.py, docs/results/gpu_session9/split/) it filled the wave (656-660
+# programs instead of 588 / 632) and took the kernel at 1M from 105.0 to 100.9 us (glm4-9b-1m) and
+# 173.7 to 170.9 (llama3-8b), but at 256K it was slower (34.6 -> 35.3, 52.2 -> 55.5: more, shorter
+# programs), and whole-model GLM-4-9B TPOT moved within noise (1M 11.97 -> 11.95 ms, 32K 7.51 -> 7.58).
+BALANCED = False
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _state: dict = {}
 
@@ -49,7 +58,7 @@ def _library(device) -> ctypes.CDLL:
     if not hasattr(lib, "_kvlocks_typed"):
         i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
-                                          i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, vp]
+                                          i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, vp]
         lib.kvlocks_score_mma.restype = i32
         lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32]
         lib.kvlocks_score_mma_blocks_per_sm.restype = i32
@@ -95,14 +104,19 @@ def supports(queries: torch.Tensor, group: int, summaries: PagedSummaries) -> bo
 
 
 def pages_per_program(max_pages: int, rows: int, device, head_dim: int = 128, group: int = 8,
-                      warps: int = WARPS) -> int:
-    """Pages per program for about one wave of resident blocks: a multiple of ``TILE * warps``
-    (warps take tiles of 16 pages in turn)."""
+                      warps: int = WARPS, balanced: bool | None = None) -> int:
+    """Pages per program for about one wave of resident blocks. Static split (``balanced`` False):
+    a multiple of ``TILE * warps`` (warps take tiles of 16 pages in turn). Balanced split: the
+    smallest page count that keeps the programs within one wave; the kernel then divides each
+    sequence's tiles evenly among the ``ceil(max_pages / ppp)`` programs of its row."""
+    balanced = BALANCED if balanced is None else balanced
     device = torch.device(device)
     lib = _library(device)
     per_sm = max(1, lib.kvlocks_score_mma_blocks_per_sm(head_dim, 2 if group > 8 else 1, warps))
     target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     per_row = max(1, target // max(rows, 1))
+    if balanced:
+        return max(1, -(-max_pages // per_row))
     step = TILE * warps
     return max(step, -(-(-(-max_pages // per_row)) // step) * step)
 
@@ -131,8 +145,10 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
     ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device,
                                       pages_per_program=pages_per_program(max_pages, bsz * hkv, queries.device,
                                                                           d, g, warps))  # sized for `warps`
-    if ws["ppp"] % TILE:
-        raise ValueError(f"workspace pages per program {ws['ppp']} is not a multiple of {TILE}")
+    balanced = bool(ws.get("balanced", BALANCED))
+    if ws["ppp"] % TILE and not balanced:
+        raise ValueError(f"workspace pages per program {ws['ppp']} is not a multiple of {TILE} (needed unless "
+                         "the workspace's split is balanced)")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     lib = _library(queries.device)
     st = summaries
@@ -141,7 +157,7 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
         st.basis_scale.data_ptr(), st.coef.data_ptr(), st.coef_scale.data_ptr(), st.centroid.data_ptr(),
         st.centroid_scale.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         ws["scores"].data_ptr(), ws["stats"].data_ptr(), bsz, hkv, g, ws["stats"].shape[-1], max_pages,
-        ws["n_chunks"], ws["ppp"], scale * LOG2E, d, warps, torch.cuda.current_stream(queries.device).cuda_stream)
+        ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps, torch.cuda.current_stream(queries.device).cuda_stream)
     if err:
         reason = "unsupported head_dim/group/warps" if err == -1 else lib.kvlocks_error_string(err).decode()
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")

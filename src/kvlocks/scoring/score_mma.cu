@@ -177,6 +177,7 @@ struct Params {
   float* scores;  // [B, Hkv, G, max_pages]
   float* stats;   // [B * Hkv, n_chunks, 2, GB]
   int hkv, g, gb, max_pages, n_chunks, ppp;
+  int balanced;     // 1: chunk c scores tiles [c T / n_chunks, (c + 1) T / n_chunks) of its sequence's T tiles
   float qk_scale2;  // scale * log2(e)
 };
 
@@ -403,8 +404,11 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
   const int row = blockIdx.y, chunk = blockIdx.x;
   const int b = row / p.hkv, h = row % p.hkv;
   const int pc = __ldg(p.seq_lens + b) / S;
-  const int start = chunk * p.ppp;
-  const int end = min(start + p.ppp, pc);
+  // static: ppp pages per program; balanced: every program of a row gets its sequence's tiles in
+  // near-equal runs (sizes differ by at most one tile), whatever the sequence's length
+  const int tiles = (pc + TILE - 1) / TILE;
+  const int start = p.balanced ? (int)((int64_t)chunk * tiles / p.n_chunks) * TILE : chunk * p.ppp;
+  const int end = min(p.balanced ? (int)((int64_t)(chunk + 1) * tiles / p.n_chunks) * TILE : start + p.ppp, pc);
   const int32_t* bt = p.block_table + (int64_t)b * p.stride_bt;
   const int gid = lane >> 2;
   // page ids of a tile: lane l holds page t0 + (l % 16); page id 0 stands in past the end (not stored)
@@ -608,7 +612,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
                       const void* bscale, const void* coef, const void* cscale, const void* cen,
                       const void* censcale, const void* block_table, int64_t stride_bt, const void* seq_lens,
                       void* scores, void* stats, int batch, int hkv, int g, int gb, int max_pages, int n_chunks,
-                      int ppp, float qk_scale2, int head_dim, int warps, void* stream) {
+                      int ppp, int balanced, float qk_scale2, int head_dim, int warps, void* stream) {
   Params p;
   p.q = q;
   p.stride_qb = stride_qb;
@@ -631,6 +635,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   p.max_pages = max_pages;
   p.n_chunks = n_chunks;
   p.ppp = ppp;
+  p.balanced = balanced;
   p.qk_scale2 = qk_scale2;
   const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps);
   if (k == nullptr) return -1;

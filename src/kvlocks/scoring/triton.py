@@ -200,18 +200,19 @@ def score_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, d
     for the CUDA kernel where it is available (a multiple of every kernel's step), else for Triton's."""
     device = torch.device(device)
     rows = batch * num_kv_heads
-    ppp = pages_per_program
+    ppp, balanced = pages_per_program, False
     if ppp is None and device.type == "cuda":
         from kvlocks.scoring import cuda_mma  # noqa: PLC0415 (imports this module)
 
         if cuda_mma.available(device):
             ppp = cuda_mma.pages_per_program(max_pages, rows, device, head_dim, group)
+            balanced = cuda_mma.BALANCED
     ppp = ppp or _launch_sizes(max_pages, rows, device, MAX_BLOCK)
     n_chunks = max(1, -(-max_pages // ppp))
     gb = triton.next_power_of_2(group)
     f32 = dict(dtype=torch.float32, device=device)
     return {
-        "ppp": ppp, "n_chunks": n_chunks,
+        "ppp": ppp, "n_chunks": n_chunks, "balanced": balanced,
         "scores": torch.empty(batch, num_kv_heads, group, max_pages, **f32),
         "stats": torch.empty(rows, n_chunks, 2, gb, **f32),
         "lse": torch.empty(batch, num_kv_heads, group, **f32),
@@ -259,7 +260,7 @@ def score_pages_paged(queries: torch.Tensor, summaries: PagedSummaries, block_ta
                          "allowed 'auto', 'cuda', 'packed', 'mma'")
     from kvlocks.scoring import cuda_mma, triton_packed  # noqa: PLC0415 (imports this module)
 
-    if choice == "cuda" or (choice == "auto" and ws["ppp"] % cuda_mma.TILE == 0
+    if choice == "cuda" or (choice == "auto" and (ws["ppp"] % cuda_mma.TILE == 0 or ws.get("balanced"))
                             and cuda_mma.supports(queries, g, summaries)):
         return cuda_mma.score_pages_mma(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
                                         workspace=ws, rank=rank)
