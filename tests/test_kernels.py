@@ -186,11 +186,13 @@ def test_cuda_score_kernel_matches_reference(g, d, dtype, factor):
     scale = 1.0 / (factor * d ** 0.5) if factor != 40.0 else None
     # default sizing; warps whose tiles end early; several tiles per warp; then the balanced split
     # (each sequence's tiles evenly over the programs): more programs than the short rows' tiles,
-    # runs of a few tiles, one program per row
-    for ppp, balanced in ((None, False), (16, False), (48, False), (5, True), (100, True), (1 << 20, True)):
+    # runs of a few tiles, one program per row; and the six-blocks-per-SM variant (D = 128, G <= 8;
+    # elsewhere the request falls back to the default variant)
+    for ppp, balanced, blocks in ((None, False, 1), (16, False, 1), (48, False, 1), (5, True, 1), (100, True, 1),
+                                  (1 << 20, True, 1), (16, False, 6), (48, False, 6), (100, True, 6)):
         ws = None if ppp is None else score_tri.score_workspace(len(seq), 2, g, table.shape[1], q.device, ppp)
-        if balanced:
-            ws["balanced"] = True
+        if ws is not None:
+            ws["balanced"], ws["min_blocks"] = balanced, blocks
         got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale, workspace=ws)
         exp = score_pages(q, store, table, seq, backend="torch", scale=scale)
         _assert_scores_match(got, exp, seq)

@@ -41,3 +41,16 @@ def test_missing_or_broken_nvcc_is_reported(tmp_path, monkeypatch):
     _nvcc._nvcc_version.cache_clear()
     with pytest.raises(_nvcc.NvccUnavailable, match="no-such-nvcc"):
         _nvcc.compile_library(cuda_mma.SOURCE, "sm_90")
+
+
+def test_six_blocks_variant_only_where_compiled():
+    """The six-blocks-per-SM score kernel exists for D = 128, G <= 8, 4 warps; other shapes fall back
+    to the default variant, and other requests are refused with what is allowed."""
+    assert cuda_mma.variant_min_blocks(128, 8, 4, 6) == 6
+    assert cuda_mma.variant_min_blocks(128, 12, 4, 6) == 1  # two n-tiles of heads
+    assert cuda_mma.variant_min_blocks(64, 4, 4, 6) == 1
+    assert cuda_mma.variant_min_blocks(128, 4, 2, 6) == 1
+    assert cuda_mma.variant_min_blocks(128, 4, 4, 1) == 1
+    with pytest.raises(ValueError, match="allowed 1 or 6"):
+        cuda_mma.variant_min_blocks(128, 4, 4, 5)
+

@@ -5,7 +5,7 @@ selection, or the fused combine + selection (:mod:`kvlocks.selection.fused`), wi
 early-stopping radix passes, the merge on registers and 5-bit digits, by setting
 ``kvlocks.dispatch.FUSED_MIN_PAGES``, ``selection.triton.EARLY_EXIT``, ``MERGE_IN_REGISTERS`` and
 ``DIGIT_BITS``, and with the CUDA score kernel's static or balanced page split
-(``scoring.cuda_mma.BALANCED``).
+(``scoring.cuda_mma.BALANCED``) and its 5- or 6-blocks-per-SM variant (``MIN_BLOCKS``).
 Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs.
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
@@ -20,12 +20,14 @@ from kvlocks import dispatch
 from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 
-# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS, DIGIT_BITS, cuda_mma.BALANCED); the early stop is
-# the default since session 8, register merge and 5-bit digits since session 9 ("fused_regs_bits5")
-MODES = {"unfused": (1 << 40, True, True, 5, False), "fused": (0, True, False, 4, False),
-         "fused_early": (0, True, False, 4, False), "fused_noearly": (0, False, False, 4, False),
-         "fused_regs": (0, True, True, 4, False), "fused_bits5": (0, True, False, 5, False),
-         "fused_regs_bits5": (0, True, True, 5, False), "balanced": (0, True, True, 5, True)}
+# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS, DIGIT_BITS, cuda_mma.BALANCED, cuda_mma.MIN_BLOCKS);
+# the early stop is the default since session 8, register merge and 5-bit digits since session 9
+# ("fused_regs_bits5")
+MODES = {"unfused": (1 << 40, True, True, 5, False, 1), "fused": (0, True, False, 4, False, 1),
+         "fused_early": (0, True, False, 4, False, 1), "fused_noearly": (0, False, False, 4, False, 1),
+         "fused_regs": (0, True, True, 4, False, 1), "fused_bits5": (0, True, False, 5, False, 1),
+         "fused_regs_bits5": (0, True, True, 5, False, 1), "balanced": (0, True, True, 5, True, 1),
+         "six": (0, True, True, 5, False, 6), "six_balanced": (0, True, True, 5, True, 6)}
 
 
 def main() -> None:
@@ -52,7 +54,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         # read when each decode plan is made / at each launch
         (dispatch.FUSED_MIN_PAGES, sel_triton.EARLY_EXIT, sel_triton.MERGE_IN_REGISTERS,
-         sel_triton.DIGIT_BITS, cuda_mma.BALANCED) = MODES[mode]
+         sel_triton.DIGIT_BITS, cuda_mma.BALANCED, cuda_mma.MIN_BLOCKS) = MODES[mode]
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
             print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), flush=True)

@@ -33,11 +33,15 @@ TILE = 16  # pages per warp iteration: pages per program are a multiple of it
 # of TILE * warps, about one wave of resident blocks); True, the sequence's tiles in near-equal runs
 # over the programs (workspace key ``balanced``; ``pages_per_program(..., balanced=True)`` sizes the
 # launch to fill one wave). Same scores either way. Off: on the H200 (session 9,
-# scripts/device/split_probe.py, docs/results/gpu_session9/split/) it filled the wave (656-660
+# scripts/device/score_launch_probe.py, docs/results/gpu_session9/split/) it filled the wave (656-660
 # programs instead of 588 / 632) and took the kernel at 1M from 105.0 to 100.9 us (glm4-9b-1m) and
 # 173.7 to 170.9 (llama3-8b), but at 256K it was slower (34.6 -> 35.3, 52.2 -> 55.5: more, shorter
 # programs), and whole-model GLM-4-9B TPOT moved within noise (1M 11.97 -> 11.95 ms, 32K 7.51 -> 7.58).
 BALANCED = False
+# Resident blocks per SM asked of the compiler (workspace key ``min_blocks``): 1 (no request: 92
+# registers, 5 blocks of 4 warps per SM on sm_90) or 6 (D = 128, G <= 8, 4 warps only: at most 80
+# registers and one centroid slot per warp, 24 warps per SM). 1 until 6 is measured on a GPU.
+MIN_BLOCKS = 1
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _state: dict = {}
 
@@ -58,9 +62,10 @@ def _library(device) -> ctypes.CDLL:
     if not hasattr(lib, "_kvlocks_typed"):
         i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
-                                          i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, vp]
+                                          i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
+                                          vp]
         lib.kvlocks_score_mma.restype = i32
-        lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32]
+        lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32]
         lib.kvlocks_score_mma_blocks_per_sm.restype = i32
         lib.kvlocks_error_string.argtypes = [i32]
         lib.kvlocks_error_string.restype = ctypes.c_char_p
@@ -104,7 +109,7 @@ def supports(queries: torch.Tensor, group: int, summaries: PagedSummaries) -> bo
 
 
 def pages_per_program(max_pages: int, rows: int, device, head_dim: int = 128, group: int = 8,
-                      warps: int = WARPS, balanced: bool | None = None) -> int:
+                      warps: int = WARPS, balanced: bool | None = None, min_blocks: int | None = None) -> int:
     """Pages per program for about one wave of resident blocks. Static split (``balanced`` False):
     a multiple of ``TILE * warps`` (warps take tiles of 16 pages in turn). Balanced split: the
     smallest page count that keeps the programs within one wave; the kernel then divides each
@@ -112,13 +117,23 @@ def pages_per_program(max_pages: int, rows: int, device, head_dim: int = 128, gr
     balanced = BALANCED if balanced is None else balanced
     device = torch.device(device)
     lib = _library(device)
-    per_sm = max(1, lib.kvlocks_score_mma_blocks_per_sm(head_dim, 2 if group > 8 else 1, warps))
+    mb = variant_min_blocks(head_dim, group, warps, min_blocks)
+    per_sm = max(1, lib.kvlocks_score_mma_blocks_per_sm(head_dim, 2 if group > 8 else 1, warps, mb))
     target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     per_row = max(1, target // max(rows, 1))
     if balanced:
         return max(1, -(-max_pages // per_row))
     step = TILE * warps
     return max(step, -(-(-(-max_pages // per_row)) // step) * step)
+
+
+def variant_min_blocks(head_dim: int, group: int, warps: int, min_blocks: int | None = None) -> int:
+    """The compiled variant's blocks-per-SM request: ``min_blocks`` (default MIN_BLOCKS) where that
+    variant exists (6: D = 128, G <= 8, 4 warps), else 1."""
+    mb = MIN_BLOCKS if min_blocks is None else int(min_blocks)
+    if mb not in (1, 6):
+        raise ValueError(f"min_blocks={mb}: allowed 1 or 6")
+    return 6 if mb == 6 and head_dim == 128 and group <= 8 and warps == 4 else 1
 
 
 def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
@@ -157,7 +172,8 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
         st.basis_scale.data_ptr(), st.coef.data_ptr(), st.coef_scale.data_ptr(), st.centroid.data_ptr(),
         st.centroid_scale.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         ws["scores"].data_ptr(), ws["stats"].data_ptr(), bsz, hkv, g, ws["stats"].shape[-1], max_pages,
-        ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps, torch.cuda.current_stream(queries.device).cuda_stream)
+        ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps,
+        variant_min_blocks(d, g, warps, ws.get("min_blocks")), torch.cuda.current_stream(queries.device).cuda_stream)
     if err:
         reason = "unsupported head_dim/group/warps" if err == -1 else lib.kvlocks_error_string(err).decode()
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")

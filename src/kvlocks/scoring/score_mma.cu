@@ -392,14 +392,17 @@ __device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const Centro
   }
 }
 
-template <int D, int NT, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
+// The kernel body. CSLOTS: centroid slots per warp. One slot suffices (a tile's centroids are read
+// at its first group and the next tile's copied at its last group; a tile with one group has no next
+// tile in its program) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
+template <int D, int NT, int WARPS, int CSLOTS>
+__device__ __forceinline__ void score_body(const Params& p) {
   constexpr int KS = D / 16;
   __shared__ float qs[NT * 8][D];
   __shared__ float red[WARPS];
   __shared__ float st_m[WARPS][NT * 8], st_l[WARPS][NT * 8];
   __shared__ GroupSlot<D> gslots[WARPS][2];
-  __shared__ CentroidSlot<D> cslots[WARPS][2];
+  __shared__ CentroidSlot<D> cslots[WARPS][CSLOTS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.y, chunk = blockIdx.x;
   const int b = row / p.hkv, h = row % p.hkv;
@@ -513,13 +516,13 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
         if (j + 1 < ng) {
           issue_group(gslot[(n + 1) & 1], p, pid, j + 1, h, lane);
         } else if (more) {
-          issue_centroids(cslot[(tile + 1) & 1], p, pid_next, h, lane);
+          issue_centroids(cslot[(tile + 1) % CSLOTS], p, pid_next, h, lane);
           issue_group(gslot[(n + 1) & 1], p, pid_next, 0, h, lane);
         }
         cp_async_commit();
         cp_async_wait<1>();  // everything but the copy just issued has landed
         __syncwarp();
-        if (j == 0) centroid_term(w, cslot[tile & 1], sa, sb, cq);
+        if (j == 0) centroid_term(w, cslot[tile % CSLOTS], sa, sb, cq);
         const GroupSlot<D>& slot = gslot[n & 1];
         const int pt = 4 * j + 2 * (int)h4 + (int)h3;  // this lane's page within the tile
         const int page = t0 + pt;
@@ -588,18 +591,32 @@ __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
   }
 }
 
+// Resident blocks per SM: what the compiler's register allocation allows (92 registers on sm_90:
+// 5 blocks of 4 warps), or six asked for (at most 80 registers, one centroid slot: 24 warps per SM).
+template <int D, int NT, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
+  score_body<D, NT, WARPS, 2>(p);
+}
+
+template <int D, int NT, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, 6) score_kernel_six(const Params p) {
+  score_body<D, NT, WARPS, 1>(p);
+}
+
 using Kernel = void (*)(const Params);
 
-// The compiled variants: head_dim 64 / 128, one or two n-tiles of 8 heads (G <= 8 / <= 16), warps per block.
-Kernel pick(int head_dim, int nt, int warps) {
+// The compiled variants: head_dim 64 / 128, one or two n-tiles of 8 heads (G <= 8 / <= 16), warps per
+// block, resident blocks asked for (min_blocks: 1 = no request; 6 only for D = 128, G <= 8, 4 warps).
+Kernel pick(int head_dim, int nt, int warps, int min_blocks) {
 #define KVLOCKS_CASE(D_, NT_, W_) \
-  if (head_dim == D_ && nt == NT_ && warps == W_) return score_kernel<D_, NT_, W_>;
+  if (head_dim == D_ && nt == NT_ && warps == W_ && min_blocks == 1) return score_kernel<D_, NT_, W_>;
   KVLOCKS_CASE(128, 1, 4)
   KVLOCKS_CASE(128, 2, 4)
   KVLOCKS_CASE(64, 1, 4)
   KVLOCKS_CASE(64, 2, 4)
   KVLOCKS_CASE(128, 1, 2)
 #undef KVLOCKS_CASE
+  if (head_dim == 128 && nt == 1 && warps == 4 && min_blocks == 6) return score_kernel_six<128, 1, 4>;
   return nullptr;
 }
 
@@ -607,12 +624,14 @@ Kernel pick(int head_dim, int nt, int warps) {
 
 extern "C" {
 
-// Launches on `stream`; returns a cudaError_t (0 = success), -1 for an unsupported (head_dim, G, warps).
+// Launches on `stream`; returns a cudaError_t (0 = success), -1 for an unsupported (head_dim, G, warps,
+// min_blocks).
 int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q_dtype, const void* basis,
                       const void* bscale, const void* coef, const void* cscale, const void* cen,
                       const void* censcale, const void* block_table, int64_t stride_bt, const void* seq_lens,
                       void* scores, void* stats, int batch, int hkv, int g, int gb, int max_pages, int n_chunks,
-                      int ppp, int balanced, float qk_scale2, int head_dim, int warps, void* stream) {
+                      int ppp, int balanced, float qk_scale2, int head_dim, int warps, int min_blocks,
+                      void* stream) {
   Params p;
   p.q = q;
   p.stride_qb = stride_qb;
@@ -637,7 +656,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   p.ppp = ppp;
   p.balanced = balanced;
   p.qk_scale2 = qk_scale2;
-  const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps);
+  const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks);
   if (k == nullptr) return -1;
   void* args[] = {&p};
   const dim3 grid(n_chunks, batch * hkv);
@@ -646,8 +665,8 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
 }
 
 // Resident blocks per SM of a variant (what the launch sizes aim at), or -1.
-int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt, int warps) {
-  const Kernel k = pick(head_dim, nt, warps);
+int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt, int warps, int min_blocks) {
+  const Kernel k = pick(head_dim, nt, warps, min_blocks);
   int n = 0;
   if (k == nullptr || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, warps * 32, 0) != cudaSuccess) return -1;
   return n;

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 9's open question, prepared on the CPU for the next device session (one call, ~5 min):
+# does the score kernel run faster at 6 blocks per SM (cuda_mma.MIN_BLOCKS = 6: at most 80
+# registers, one centroid slot per warp; 24 warps per SM instead of 20), alone (with the static and
+# the balanced page split) and end to end? Its GPU tests first (same scores as the reference).
+# Usage on the device (carry .device/wheels): bash scripts/device/pending9.sh "$OUT"
+set -u
+out=${1:?output folder}
+export PATH=/usr/local/cuda/bin:$PATH
+KVLOCKS_TEST_TIMEOUT=150 bash scripts/device/gpu_tests.sh "$out/tests" 4 \
+    tests/test_kernels.py::test_cuda_score_kernel_matches_reference tests/test_nvcc.py | tail -2
+export PYTHONPATH=$PWD/src
+timeout 150 python scripts/device/score_launch_probe.py --out "$out/launch.jsonl" > "$out/launch.txt" 2>&1
+echo "launch probe exit $?"
+timeout 200 python scripts/device/select_ab.py --modes fused_regs_bits5,six,six_balanced --contexts 1048576,262144,32768 \
+    --out "$out/ab_six" > "$out/ab_six.txt" 2>&1
+echo "e2e A/B exit $?"
+python3 - "$out/launch.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["shape"], r["tokens"], r["variant"], r.get("programs"), round(r["us"], 1), round(r["pct_copy"], 1), r.get("same_as_static"))
+PY
+grep -E "^(fused|six)" "$out/ab_six.txt"
