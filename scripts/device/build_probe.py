@@ -4,7 +4,8 @@ For each shape (``kvlocks.bench.kernels.SHAPES``) a layer's random bf16 keys at 
 (every page full), then per rotation variant of :mod:`kvlocks.summary.triton` (``ROTATIONS``:
 ``gathers`` = tile gathers and four masked reductions per Jacobi step, ``lean`` = the diagonal
 tracked in closed form, one reduction, ``dots`` = rotations as tf32x3 batched dots) and launch
-(items per program, warps): the build of every page, median of ``--reps`` runs with CUDA events,
+(items per program, warps; optionally a fourth field, the Jacobi sweeps, default
+``SWEEPS``): the build of every page, median of ``--reps`` runs with CUDA events,
 scaled to the whole model (layers of the shape), and the largest difference of the quantized
 reconstruction against the first variant relative to the keys' norm, and the reconstruction's own error
 against the keys (what the tolerance may cost). JSON lines to ``--out``.
@@ -53,18 +54,19 @@ def main() -> None:
         check = torch.arange(0, pages, max(1, pages // 2048), device=dev)
         ref = None
         for var in args.variants.split(","):
-            rot, bp, nw = var.split(":")
+            rot, bp, nw, *rest = var.split(":")
             launch = {"BP": int(bp), "num_warps": int(nw)}
+            sweeps = int(rest[0]) if rest else build_tri.SWEEPS
             store = PagedSummaries.empty(pages, hkv, d, cfg, device=dev)
             t0 = time.time()
-            build_tri.build_pages(k, store, ids, rotation=rot, launch=launch)
+            build_tri.build_pages(k, store, ids, rotation=rot, launch=launch, sweeps=sweeps)
             torch.cuda.synchronize()
             compile_s = time.time() - t0
             times = []
             for _ in range(args.reps):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                build_tri.build_pages(k, store, ids, rotation=rot, launch=launch)
+                build_tri.build_pages(k, store, ids, rotation=rot, launch=launch, sweeps=sweeps)
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b))
@@ -75,7 +77,7 @@ def main() -> None:
             diff = float((rec - ref).norm() / kc.norm())
             own = float((rec - kc).norm() / kc.norm())
             ms = statistics.median(times)
-            row = {"shape": shape, "tokens": args.tokens, "rotation": rot, **launch, "layer_ms": ms,
+            row = {"shape": shape, "tokens": args.tokens, "rotation": rot, **launch, "sweeps": sweeps, "layer_ms": ms,
                    "model_s": ms * LAYERS[shape] / 1e3, "items_per_s": pages * hkv / (ms * 1e-3),
                    "recon_diff_vs_first": diff, "recon_err_vs_keys": own,
                    "compile_s": compile_s}

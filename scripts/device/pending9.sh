@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Session 9's open question, prepared on the CPU for the next device session (one call, ~5 min):
+# Session 9's open questions, prepared on the CPU for the next device session (one call, ~6 min):
 # does the score kernel run faster at 6 blocks per SM (cuda_mma.MIN_BLOCKS = 6: at most 80
 # registers, one centroid slot per warp; 24 warps per SM instead of 20), alone (with the static and
 # the balanced page split) and end to end? Its GPU tests first (same scores as the reference).
+# And the summary build with 4 Jacobi sweeps instead of 5 (scripts/analysis/build_sweeps.py on the
+# CPU: the same reconstruction error against the keys to 1e-4, top-8 pages within one of 72 of the
+# 5-sweep build's): how much faster is it for a whole llama3-8b model at 1M (1.18 s, target < 1 s)?
 # Usage on the device (carry .device/wheels): bash scripts/device/pending9.sh "$OUT"
 set -u
 out=${1:?output folder}
@@ -22,3 +25,7 @@ for line in open(sys.argv[1]):
     print(r["shape"], r["tokens"], r["variant"], r.get("programs"), round(r["us"], 1), round(r["pct_copy"], 1), r.get("same_as_static"))
 PY
 grep -E "^(fused|six)" "$out/ab_six.txt"
+timeout 120 python scripts/device/build_probe.py --variants lean:1:1,lean:1:1:4 --out "$out/build_sweeps.jsonl" \
+    > /dev/null 2> "$out/build_sweeps.err"
+echo "build probe exit $?"
+cut -c1-220 "$out/build_sweeps.jsonl"
