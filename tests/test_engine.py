@@ -190,15 +190,46 @@ def test_compiled_step_equals_eager_and_compiles_once_for_all_layers():
     assert torch.allclose(out[False][1], out[True][1], rtol=1e-4, atol=1e-4 * float(out[False][1].abs().max()))
 
 
+def test_incremental_build_runs_only_on_steps_that_fill_a_page(monkeypatch):
+    """With SKIP_IDLE_BUILDS the step runner tracks the common length on the host and leaves the
+    incremental build out of steps that fill no page (one launch per layer saved on 15 of 16 steps):
+    from a 100-token prompt, 20 steps reach lengths 101..120 and only the step to 112 fills one.
+    Budget 32 < context, so a missed build would change the pages chosen."""
+    from kvlocks.engine import attention, graph
+
+    monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", True)
+    model = _tiny("llama3.1-8b", seed=2)
+    calls = []
+    real = attention.build_new_pages
+    monkeypatch.setattr(attention, "build_new_pages", lambda *a, **k: (calls.append(int(a[3][0])), real(*a, **k)))
+    ids = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(0))
+    eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=32), max_context=128))
+    eng.generate(ids, max_new_tokens=21)
+    assert calls == [112] * model.config.num_hidden_layers
+    assert eng.cache.length == 120 and int(eng.cache.seq_lens[0]) == 120
+    tokens = eng.generate(ids, max_new_tokens=21)
+    monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", False)  # a build launch on every step: same tokens
+    assert torch.equal(DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=32),
+                                                        max_context=128)).generate(ids, max_new_tokens=21), tokens)
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_cuda_graph_replay_equals_eager_steps():
+@pytest.mark.parametrize("skip_idle", [False, True])
+def test_cuda_graph_replay_equals_eager_steps(skip_idle, monkeypatch):
+    """Graph replays give the eager steps' tokens across several page fills (budget 64 < context);
+    with SKIP_IDLE_BUILDS, LOCKS replays one of its two graphs per step."""
+    from kvlocks.engine import graph
+
+    monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", skip_idle)
     model = _tiny("llama3.1-8b", seed=3).to("cuda")
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     for method in ("dense", "locks"):
-        out = [DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=64), batch=2,
-                                                max_context=400, cuda_graph=g)).generate(ids, max_new_tokens=40)
-               for g in (False, True)]
+        engines = [DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=64), batch=2,
+                                                    max_context=400, cuda_graph=g)) for g in (False, True)]
+        out = [e.generate(ids, max_new_tokens=40) for e in engines]
         assert torch.equal(out[0], out[1]), method
+        expect = [False, True] if skip_idle and method == "locks" else [method == "locks"]
+        assert sorted(engines[1].runner.graphs) == expect, method
 
 
 # ---- the static cache, random fill, the benchmark rows ----
@@ -238,6 +269,7 @@ def test_bench_e2e_rows_on_cpu(tmp_path):
         (64, 1, "dense"), (64, 1, "locks"), (128, 1, "dense"), (128, 1, "locks"), (64, 2, "dense"), (64, 2, "locks")]
     for r in rows:
         assert set(ROW_KEYS) <= set(r) and r["tpot_ms"] > 0 and r["floor_ms"] > 0
+        assert r["tpot_p10_ms"] <= r["tpot_ms"] <= r["tpot_max_ms"] and r["tpot_mean_ms"] <= r["tpot_max_ms"]
         assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_bytes"] + r["summary_bytes"]
         assert (r["ttft_ms"] is not None) == (r["fill"] == "prefill") == (r["context"] * r["batch"] <= 100)
         assert (r["build_ms"] is not None) == (r["method"] == "locks")

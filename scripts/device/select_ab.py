@@ -4,9 +4,10 @@ Runs ``kvlocks bench e2e`` (LOCKS only) once per mode (``MODES``): the combine p
 selection, or the fused combine + selection (:mod:`kvlocks.selection.fused`), with or without the
 early-stopping radix passes, the merge on registers and 5-bit digits, by setting
 ``kvlocks.dispatch.FUSED_MIN_PAGES``, ``selection.triton.EARLY_EXIT``, ``MERGE_IN_REGISTERS`` and
-``DIGIT_BITS``, and with the CUDA score kernel's static or balanced page split
-(``scoring.cuda_mma.BALANCED``) and its 5- or 6-blocks-per-SM variant (``MIN_BLOCKS``).
-Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs.
+``DIGIT_BITS``, with the CUDA score kernel's static or balanced page split
+(``scoring.cuda_mma.BALANCED``) and its 5- or 6-blocks-per-SM variant (``MIN_BLOCKS``), and with or
+without the incremental-build launches on steps that fill no page (``engine.graph.SKIP_IDLE_BUILDS``).
+Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs (median, mean).
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
 """
@@ -16,18 +17,31 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvlocks import dispatch
 from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 
-# mode: (FUSED_MIN_PAGES, EARLY_EXIT, MERGE_IN_REGISTERS, DIGIT_BITS, cuda_mma.BALANCED, cuda_mma.MIN_BLOCKS);
-# the early stop is the default since session 8, register merge and 5-bit digits since session 9
-# ("fused_regs_bits5")
-MODES = {"unfused": (1 << 40, True, True, 5, False, 1), "fused": (0, True, False, 4, False, 1),
-         "fused_early": (0, True, False, 4, False, 1), "fused_noearly": (0, False, False, 4, False, 1),
-         "fused_regs": (0, True, True, 4, False, 1), "fused_bits5": (0, True, False, 5, False, 1),
-         "fused_regs_bits5": (0, True, True, 5, False, 1), "balanced": (0, True, True, 5, True, 1),
-         "six": (0, True, True, 5, False, 6), "six_balanced": (0, True, True, 5, True, 6)}
+# Each mode sets these module attributes (read when a decode plan is made or at each launch): the
+# defaults, then the mode's overrides. Early stop: default since session 8; register merge and
+# 5-bit digits since session 9 ("fused_regs_bits5" = the defaults); "skip_idle_builds": steps that
+# fill no page without the incremental-build launches (prepared in session 9, off by default).
+SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.selection.triton", True),
+            "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
+            "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
+            "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", False)}
+OLD_SELECT = {"MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
+MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
+         "fused_noearly": {**OLD_SELECT, "EARLY_EXIT": False}, "fused_regs": {"DIGIT_BITS": 4},
+         "fused_bits5": {"MERGE_IN_REGISTERS": False}, "fused_regs_bits5": {}, "balanced": {"BALANCED": True},
+         "six": {"MIN_BLOCKS": 6}, "six_balanced": {"MIN_BLOCKS": 6, "BALANCED": True},
+         "skip_idle_builds": {"SKIP_IDLE_BUILDS": True}}
+
+
+def apply(mode: str) -> None:
+    """Set every attribute of SETTINGS to its default, then to ``mode``'s overrides."""
+    import importlib
+
+    for name, (module, default) in SETTINGS.items():
+        setattr(importlib.import_module(module), name, MODES[mode].get(name, default))
 
 
 def main() -> None:
@@ -48,16 +62,11 @@ def main() -> None:
 
         base = fused.default_fused_chunk
         fused.default_fused_chunk = lambda p: base(p) if p <= fused.SINGLE_MAX else args.fused_chunk
-    from kvlocks.scoring import cuda_mma
-    from kvlocks.selection import triton as sel_triton
-
     for mode in args.modes.split(","):
-        # read when each decode plan is made / at each launch
-        (dispatch.FUSED_MIN_PAGES, sel_triton.EARLY_EXIT, sel_triton.MERGE_IN_REGISTERS,
-         sel_triton.DIGIT_BITS, cuda_mma.BALANCED, cuda_mma.MIN_BLOCKS) = MODES[mode]
+        apply(mode)
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
-            print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), flush=True)
+            print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), round(r["tpot_mean_ms"], 3), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ for the case (skipped, with the reason, when free memory does not allow it), fil
 dense prefill up to ``max_prefill`` tokens (timed: ``ttft_ms``) and by random K/V above it (a
 9B-model prefill at 1M tokens takes many minutes), then the summary build of every full page of
 every layer (``build_ms``), then per method the decode step of :mod:`kvlocks.engine` captured in
-one CUDA graph: ``tpot_ms`` is the median of ``steps`` replays, each timed with CUDA events after
-``warmup`` replays. ``floor_ms`` is the step's bytes (weights + summaries + selected K/V for
+CUDA graphs: ``tpot_ms`` is the median of ``steps`` replays, each timed with CUDA events after
+``warmup`` replays, ``tpot_mean_ms`` their mean and ``tpot_max_ms`` the slowest (for LOCKS, a step
+that fills a page also builds its summary in every layer: one step in 16 when ``steps`` >= 16). ``floor_ms`` is the step's bytes (weights + summaries + selected K/V for
 LOCKS; weights + all K/V for dense) over the device-to-device copy bandwidth measured in the same
 run (read + write bytes, as in the kernel benchmark).
 
@@ -44,7 +45,8 @@ from kvlocks.engine.step import DecodeStep
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ROW_KEYS = ("model", "context", "batch", "method", "budget", "kernel", "tpot_ms", "ttft_ms", "ttft_note",
+ROW_KEYS = ("model", "context", "batch", "method", "budget", "kernel", "tpot_ms", "tpot_mean_ms", "tpot_max_ms",
+            "ttft_ms", "ttft_note",
             "build_ms", "build_exposed_ms", "ready_ms", "bytes_per_step", "weight_bytes", "kv_bytes", "summary_bytes", "floor_ms",
             "tpot_over_floor", "speedup_vs_dense", "gpu_mem_gb", "gpu_peak_gb", "fill", "steps")
 
@@ -258,7 +260,7 @@ class _Case:
         times = _time_steps(runner, dev, cfg.steps, cfg.warmup)
         tpot = statistics.median(times)
         row = {"method": method, "kernel": step.attn.kernel, "compiled": cfg.compile, "tpot_ms": tpot,
-               "steps": cfg.steps,
+               "tpot_mean_ms": statistics.fmean(times), "tpot_max_ms": max(times), "steps": cfg.steps,
                "tpot_p10_ms": _quantile(times, 0.1), "tpot_p90_ms": _quantile(times, 0.9),
                "budget": cfg.budget if method == "locks" else None,
                "build_ms": self.build_ms if method == "locks" else None,

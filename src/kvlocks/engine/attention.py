@@ -33,11 +33,13 @@ class LocksAttention:
                                device=cache.k.device, scale=scale, backend=backend)
         self.kernel = "kvlocks DecodePlan (score -> select -> attend), " + backend
 
-    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """q ``[B, Hq, D]`` (the new token's K/V already written; ``seq_lens`` counts it) -> ``[B, Hq, D]``."""
+    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
+        """q ``[B, Hq, D]`` (the new token's K/V already written; ``seq_lens`` counts it) -> ``[B, Hq, D]``.
+        ``build=False`` skips the incremental build launch: only for steps that fill no page."""
         c = self.cache
         # the page this token filled gets its summary before scoring, as in the HF path
-        build_new_pages(c.k[layer], c.summaries[layer], c.block_table, seq_lens, c.config, backend=self.backend)
+        if build:
+            build_new_pages(c.k[layer], c.summaries[layer], c.block_table, seq_lens, c.config, backend=self.backend)
         out, _ = self.plan.run(q, c.k[layer], c.v[layer], c.summaries[layer], c.block_table, seq_lens)
         return out
 
@@ -63,7 +65,8 @@ class DenseAttention:
         else:
             self.kernel = DENSE_REFERENCE
 
-    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
+        """q ``[B, Hq, D]`` -> ``[B, Hq, D]`` over every cached token (``build``: unused, no summaries)."""
         c = self.cache
         if self.backend == "triton":
             out, _ = paged_decode(q, c.k[layer], c.v[layer], c.block_table, seq_lens, self.pages, scale=self.scale,

@@ -94,9 +94,8 @@ class DecodeEngine:
             self.runner = self._runners[self.method] = StepRunner(self.step, use_graph=self.use_graph)
         out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.parts.device)
         for i in range(steps):
-            self.runner()
+            self.runner()  # advances cache.length
             out[:, i].copy_(self.step.tokens)
-        self.cache.length += steps
         return out
 
     @torch.no_grad()

@@ -1,9 +1,15 @@
-"""Capture a :class:`DecodeStep` in one CUDA graph and replay it (eager on the CPU).
+"""Capture a :class:`DecodeStep` in CUDA graphs and replay them (eager on the CPU).
 
 Warm-up runs the step eagerly on a side stream first (Triton compiles its kernels, cuBLAS sets
 up its handles), then restores the state it advanced (``tokens``, ``seq_lens``: the K/V it wrote
 lies past the restored length and is overwritten later; a page it filled is rebuilt when it fills
 again). Capture records the step without running it; each ``replay`` then decodes one token.
+
+With ``SKIP_IDLE_BUILDS``, LOCKS captures the step twice: with the incremental summary builds (one
+launch per layer) and without them. Every sequence has the cache's common length, which the host
+tracks (``cache.length``, advanced here by each step), so the host knows which steps fill a page:
+those replay the first graph, the other 15 of every 16 the second. Both compute the same tokens;
+the second leaves out launches that would find nothing to build.
 """
 
 from __future__ import annotations
@@ -12,19 +18,26 @@ import torch
 
 from kvlocks.engine.step import DecodeStep
 
+# LOCKS: on steps that fill no page, run the step without the incremental-build launches (eager)
+# or replay the graph captured without them (same tokens: those launches find nothing to build).
+# Off until the two-graph replay is checked and timed on a GPU (scripts/device/pending9.sh); the
+# CPU tests cover the host-side choice.
+SKIP_IDLE_BUILDS = False
+
 
 class StepRunner:
-    """Run a decode step eagerly or as a CUDA-graph replay.
+    """Run a decode step eagerly or as CUDA-graph replays, one token per call.
 
     Parameters
     ----------
-    step : DecodeStep
-    use_graph : capture a CUDA graph (needs CUDA tensors and the Triton backend)
+    step : DecodeStep; its cache's ``length`` must be the sequences' current (common) length, and
+        each call advances it by one
+    use_graph : capture CUDA graphs (needs CUDA tensors and the Triton backend)
     warmup : eager steps before capture
     """
 
     def __init__(self, step: DecodeStep, *, use_graph: bool, warmup: int = 2) -> None:
-        self.step, self.graph = step, None
+        self.step, self.graphs = step, {}
         if not use_graph:
             return
         if step.cache.k.device.type != "cuda" or step.backend != "triton":
@@ -39,13 +52,20 @@ class StepRunner:
         step.tokens.copy_(state[0])
         step.cache.seq_lens.copy_(state[1])
         torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = step()  # static output: rewritten by every replay
+        for build in ((True, False) if SKIP_IDLE_BUILDS else (True,)) if step.attn.name == "locks" else (False,):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = step(build=build)  # static output: rewritten by every replay of this graph
+            self.graphs[build] = (graph, logits)
 
     def __call__(self) -> torch.Tensor:
         """Decode one token per sequence (no host sync on the graph path); returns logits ``[B, V]``."""
-        if self.graph is None:
-            return self.step()
-        self.graph.replay()
-        return self.logits
+        cache = self.step.cache
+        build = self.step.fills_page(cache.length) or (self.step.attn.name == "locks" and not SKIP_IDLE_BUILDS)
+        if self.graphs:
+            graph, logits = self.graphs[build]
+            graph.replay()
+        else:
+            logits = self.step(build=build)
+        cache.length += 1
+        return logits

@@ -53,9 +53,16 @@ class DecodeStep:
         self._k_flat = [cache.k[i].view(n * s, *cache.k.shape[-2:]) for i in range(cache.k.shape[0])]
         self._v_flat = [cache.v[i].view(n * s, *cache.v.shape[-2:]) for i in range(cache.v.shape[0])]
 
+    def fills_page(self, length: int) -> bool:
+        """Whether the step taken at common length ``length`` fills a page whose summary LOCKS must
+        build (dense keeps no summaries)."""
+        return self.attn.name == "locks" and (length + 1) % self.cache.page_size == 0
+
     @torch.no_grad()
-    def __call__(self) -> torch.Tensor:
-        """Decode one token per sequence; returns logits ``[B, V]`` (model dtype)."""
+    def __call__(self, *, build: bool = True) -> torch.Tensor:
+        """Decode one token per sequence; returns logits ``[B, V]`` (model dtype). ``build=False``
+        leaves out the incremental summary builds (one launch per layer), for a step that fills no
+        page (:meth:`fills_page`); with ``build=True`` they run and build only what filled."""
         p, c = self.parts, self.cache
         bsz, s = c.batch, c.page_size
         torch.add(c.seq_lens, 1, out=self.lens_next)
@@ -69,7 +76,7 @@ class DecodeStep:
             q, k, v = self._qkv(p, layer, x, cos, sin)  # [B, Hq, 1, D], [B, Hkv, 1, D]
             self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
             self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
-            out = self.attn.run(li, q[:, :, 0].contiguous(), self.lens_next)  # [B, Hq, D]
+            out = self.attn.run(li, q[:, :, 0].contiguous(), self.lens_next, build=build)  # [B, Hq, D]
             x = self._finish(layer, x, out.reshape(bsz, 1, hq * d))
         logits = p.lm_head(p.norm(x))[:, 0]  # [B, V]
         torch.argmax(logits, dim=-1, out=self.tokens)
