@@ -38,6 +38,8 @@ class StepRunner:
 
     def __init__(self, step: DecodeStep, *, use_graph: bool, warmup: int = 2) -> None:
         self.step, self.graphs = step, {}
+        self.locks = step.attn.name == "locks"
+        self.skip = SKIP_IDLE_BUILDS and self.locks  # read once: the graphs captured follow it
         if not use_graph:
             return
         if step.cache.k.device.type != "cuda" or step.backend != "triton":
@@ -52,7 +54,7 @@ class StepRunner:
         step.tokens.copy_(state[0])
         step.cache.seq_lens.copy_(state[1])
         torch.cuda.synchronize()
-        for build in ((True, False) if SKIP_IDLE_BUILDS else (True,)) if step.attn.name == "locks" else (False,):
+        for build in (True, False) if self.skip else (self.locks,):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = step(build=build)  # static output: rewritten by every replay of this graph
@@ -61,7 +63,7 @@ class StepRunner:
     def __call__(self) -> torch.Tensor:
         """Decode one token per sequence (no host sync on the graph path); returns logits ``[B, V]``."""
         cache = self.step.cache
-        build = self.step.fills_page(cache.length) or (self.step.attn.name == "locks" and not SKIP_IDLE_BUILDS)
+        build = self.step.fills_page(cache.length) if self.skip else self.locks
         if self.graphs:
             graph, logits = self.graphs[build]
             graph.replay()
