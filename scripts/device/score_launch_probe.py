@@ -19,6 +19,7 @@ not depend on the split or the variant) and its per-head log-sum-exp agree to 1e
 ``--out``.
 
     python scripts/device/score_launch_probe.py --out OUT/launch.jsonl --tokens 1048576,262144
+"""
 from __future__ import annotations
 
 import argparse

@@ -22,18 +22,19 @@ from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 # Each mode sets these module attributes (read when a decode plan is made or at each launch): the
 # defaults, then the mode's overrides. Early stop: default since session 8; register merge and
-# 5-bit digits since session 9 ("fused_regs_bits5" = the defaults); "skip_idle_builds": steps that
-# fill no page without the incremental-build launches (prepared in session 9, off by default).
+# 5-bit digits since session 9; steps that fill no page without the incremental-build launches
+# since session 10 ("skip_idle_builds" = the defaults; "fused_regs_bits5" = the build launch on
+# every step, the defaults before).
 SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.selection.triton", True),
             "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
-            "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", False)}
+            "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True)}
 OLD_SELECT = {"MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
          "fused_noearly": {**OLD_SELECT, "EARLY_EXIT": False}, "fused_regs": {"DIGIT_BITS": 4},
-         "fused_bits5": {"MERGE_IN_REGISTERS": False}, "fused_regs_bits5": {}, "balanced": {"BALANCED": True},
+         "fused_bits5": {"MERGE_IN_REGISTERS": False}, "fused_regs_bits5": {"SKIP_IDLE_BUILDS": False}, "balanced": {"BALANCED": True},
          "six": {"MIN_BLOCKS": 6}, "six_balanced": {"MIN_BLOCKS": 6, "BALANCED": True},
-         "skip_idle_builds": {"SKIP_IDLE_BUILDS": True}}
+         "skip_idle_builds": {}}
 
 
 def apply(mode: str) -> None:
