@@ -13,7 +13,8 @@ import torch
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from kvlocks.attention import reference as attn_ref  # noqa: E402
 from kvlocks.attention import triton as attn_tri  # noqa: E402
@@ -390,9 +391,10 @@ def _recon(s):
     return s.centroid_float()[..., None, :] + s.coef_float() @ s.basis_float()
 
 
-@pytest.mark.parametrize("rotation", ["gathers", "lean", "dots"])
+@pytest.mark.parametrize("rotation,finish", [("gathers", "dots"), ("lean", "dots"), ("dots", "dots"),
+                                             ("lean", "loop")])
 @pytest.mark.parametrize("d,dtype,rank", [(64, F32, 0), (128, BF16, 0), (128, F32, 5), (64, F16, 12)])
-def test_build_matches_reference(d, dtype, rank, rotation):
+def test_build_matches_reference(d, dtype, rank, rotation, finish):
     gen = torch.Generator().manual_seed(d + rank)
     lead, p = (2,), (3 if not CUDA else 500)
     if rank:  # low-rank pages: the subspace is exact and unique
@@ -402,7 +404,7 @@ def test_build_matches_reference(d, dtype, rank, rotation):
         keys = torch.randn(*lead, p, S, d, generator=gen)
     keys = keys.to(dtype).to(DEV)
     cfg = LocksConfig()
-    got = _cpu(build_tri.build_summaries(keys, cfg, rotation=rotation))
+    got = _cpu(build_tri.build_summaries(keys, cfg, rotation=rotation, finish=finish))
     keys = keys.cpu()
     ref = build_summaries(keys, cfg)
     kf = keys.float()
@@ -414,6 +416,44 @@ def test_build_matches_reference(d, dtype, rank, rotation):
     assert torch.allclose(got.sigma[..., :cfg.rank], sigma[..., :cfg.rank], atol=2e-3 * float(sigma.max()))
     kept = ref.basis_float().norm(dim=-1) > 0
     assert torch.equal(got.basis_float().norm(dim=-1) > 0, kept)
+
+
+@pytest.mark.skipif(not CUDA, reason="register caps are a CUDA compile option (GPU runs: scripts/device/pending10.sh)")
+@pytest.mark.parametrize("finish", ["loop", "dots"])
+def test_build_with_register_cap_equals_uncapped(finish):
+    """A register cap (``maxnreg``, as in the tuner's capped launches) changes register allocation
+    only: the same summaries bit for bit."""
+    _, k, _, _, _ = make_paged([64 * 1024], 8, 1, 128, BF16, seed=5)
+    ids = torch.arange(k.shape[0], dtype=torch.int32, device=DEV)
+    cfg = LocksConfig()
+    stores = []
+    for launch in ({"BP": 1, "num_warps": 1}, {"BP": 1, "num_warps": 1, "maxnreg": 128},
+                   {"BP": 1, "num_warps": 1, "maxnreg": 144}):
+        store = PagedSummaries.empty(k.shape[0], 8, 128, cfg, device=DEV)
+        build_tri.build_pages(k, store, ids, launch=launch, finish=finish)
+        stores.append(store)
+    for other in stores[1:]:
+        for name in ("basis", "basis_scale", "coef", "coef_scale", "centroid", "centroid_scale"):
+            assert torch.equal(getattr(stores[0], name), getattr(other, name)), name
+
+
+@triton.jit
+def _rint_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, build_tri._rint(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+def test_build_rounding_is_half_to_even_like_torch_round():
+    """The build's quantizer rounds by adding and subtracting 1.5 * 2**23: exact ties, their float32
+    neighbours and random values in the quantizers' range all round like ``torch.round``."""
+    ties = torch.arange(-128, 128, dtype=F32) + 0.5
+    near = torch.cat([torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    rand = (torch.rand(4096, generator=torch.Generator().manual_seed(0)) - 0.5) * 300
+    x = torch.cat([ties, near, rand, torch.tensor([0.0, -0.0, 2.0**21 + 0.5, -(2.0**21) - 0.5])]).to(DEV)
+    y = torch.empty_like(x)
+    _rint_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    assert torch.equal(y.cpu(), torch.round(x.cpu()))
+    assert torch.equal(y[:256].cpu(), 2 * torch.round(ties / 2))  # ties go to the even neighbour
 
 
 def test_incremental_build_builds_just_filled_pages():

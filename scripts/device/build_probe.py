@@ -5,7 +5,9 @@ For each shape (``kvlocks.bench.kernels.SHAPES``) a layer's random bf16 keys at 
 ``gathers`` = tile gathers and four masked reductions per Jacobi step, ``lean`` = the diagonal
 tracked in closed form, one reduction, ``dots`` = rotations as tf32x3 batched dots) and launch
 (items per program, warps; optionally a fourth field, the Jacobi sweeps, default
-``SWEEPS``): the build of every page, median of ``--reps`` runs with CUDA events,
+``SWEEPS``, a fifth, how basis and coefficients are formed, a key of ``FINISHES``, default
+``FINISH``, and a sixth, a register cap per thread (``maxnreg``); items ``auto`` = the autotuned
+launch, ``autocaps`` = the same with the capped launches (``REGISTER_CAPS``), whose pick is recorded): the build of every page, median of ``--reps`` runs with CUDA events,
 scaled to the whole model (layers of the shape), and the largest difference of the quantized
 reconstruction against the first variant relative to the keys' norm, and the reconstruction's own error
 against the keys (what the tolerance may cost). JSON lines to ``--out``.
@@ -55,18 +57,23 @@ def main() -> None:
         ref = None
         for var in args.variants.split(","):
             rot, bp, nw, *rest = var.split(":")
-            launch = {"BP": int(bp), "num_warps": int(nw)}
-            sweeps = int(rest[0]) if rest else build_tri.SWEEPS
+            launch = None if bp.startswith("auto") else {"BP": int(bp), "num_warps": int(nw)}
+            if launch is None:
+                build_tri.REGISTER_CAPS = bp == "autocaps"
+            if launch is not None and len(rest) > 2 and rest[2]:
+                launch["maxnreg"] = int(rest[2])
+            sweeps = int(rest[0]) if rest and rest[0] else build_tri.SWEEPS
+            finish = rest[1] if len(rest) > 1 and rest[1] else build_tri.FINISH
             store = PagedSummaries.empty(pages, hkv, d, cfg, device=dev)
             t0 = time.time()
-            build_tri.build_pages(k, store, ids, rotation=rot, launch=launch, sweeps=sweeps)
+            build_tri.build_pages(k, store, ids, rotation=rot, launch=launch, sweeps=sweeps, finish=finish)
             torch.cuda.synchronize()
             compile_s = time.time() - t0
             times = []
             for _ in range(args.reps):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                build_tri.build_pages(k, store, ids, rotation=rot, launch=launch, sweeps=sweeps)
+                build_tri.build_pages(k, store, ids, rotation=rot, launch=launch, sweeps=sweeps, finish=finish)
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b))
@@ -77,7 +84,10 @@ def main() -> None:
             diff = float((rec - ref).norm() / kc.norm())
             own = float((rec - kc).norm() / kc.norm())
             ms = statistics.median(times)
-            row = {"shape": shape, "tokens": args.tokens, "rotation": rot, **launch, "sweeps": sweeps, "layer_ms": ms,
+            tuner = build_tri._build_tuned_caps if build_tri.REGISTER_CAPS else build_tri._build_tuned
+            picked = launch or {"auto": str(getattr(tuner, "best_config", None))}
+            row = {"shape": shape, "tokens": args.tokens, "rotation": rot, **picked, "sweeps": sweeps, "finish": finish,
+                   "layer_ms": ms,
                    "model_s": ms * LAYERS[shape] / 1e3, "items_per_s": pages * hkv / (ms * 1e-3),
                    "recon_diff_vs_first": diff, "recon_err_vs_keys": own,
                    "compile_s": compile_s}

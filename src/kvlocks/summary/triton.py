@@ -43,10 +43,10 @@ FP16_TINY = 2.0**-24
 
 @triton.jit
 def _rint(x):
-    """Round half to even (``torch.round``), exact for |x| < 2**22."""
-    f = tl.floor(x + 0.5)
-    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
-    return tl.where(((f - x) == 0.5) & odd, f - 1.0, f)
+    """Round half to even (``torch.round``), exact for |x| < 2**22: once 1.5 * 2**23 is added, float32
+    keeps no fraction bits, so the add's own round-to-nearest-even rounds x; subtracting it back is
+    exact (two adds instead of a floor, a parity test and a select)."""
+    return (x + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -60,11 +60,13 @@ def _scale_up(s):
 
 
 @triton.jit
-def _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S: tl.constexpr):
-    """Centred keys of BP pages as even/odd halves of D: ``[BP, S, D/2]`` each, and the means."""
+def _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S: tl.constexpr, VOLATILE: tl.constexpr = False):
+    """Centred keys of BP pages as even/odd halves of D: ``[BP, S, D/2]`` each, and the means.
+    ``VOLATILE``: a load the compiler may not merge with an earlier one (a reload after the
+    solver, so the keys are not held in registers through it)."""
     ptr = k_ptr + base[:, None, None] + s_idx[None, :, None] * stride_ks + 2 * j[None, None, :]
-    ke = tl.load(ptr, mask=ok[:, None, None], other=0.0).to(tl.float32)
-    ko = tl.load(ptr + 1, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    ke = tl.load(ptr, mask=ok[:, None, None], other=0.0, volatile=VOLATILE).to(tl.float32)
+    ko = tl.load(ptr + 1, mask=ok[:, None, None], other=0.0, volatile=VOLATILE).to(tl.float32)
     mue = tl.sum(ke, axis=1) / S
     muo = tl.sum(ko, axis=1) / S
     return ke - mue[:, None, :], ko - muo[:, None, :], mue, muo
@@ -162,11 +164,84 @@ def _jacobi_dots(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, PRECISI
 
 
 @triton.jit
+def _store_basis_row(be, bo, ph, r, ok, j, basis_ptr, bscale_ptr, D: tl.constexpr, R: tl.constexpr):
+    """int4 basis rows ``[..., D/2]`` (even/odd dims) with float16 scales rounded up, at rank slots ``r``."""
+    amax = tl.maximum(tl.max(tl.abs(be), axis=-1), tl.max(tl.abs(bo), axis=-1))
+    sc16, sc = _scale_up(amax / 7.0)
+    qe = tl.minimum(tl.maximum(_rint(be / tl.expand_dims(sc, -1)), -7.0), 7.0).to(tl.int32)
+    qo = tl.minimum(tl.maximum(_rint(bo / tl.expand_dims(sc, -1)), -7.0), 7.0).to(tl.int32)
+    byte = ((qe & 15) | ((qo & 15) << 4)).to(tl.uint8)
+    tl.store(basis_ptr + tl.expand_dims(ph * R + r, -1) * (D // 2) + j, byte, mask=tl.expand_dims(ok, -1))
+    tl.store(bscale_ptr + ph * R + r, sc16, mask=ok)
+
+
+@triton.jit
+def _store_coefs(coefs, ph, ok, s_idx, rr, coef_ptr, cscale_ptr, S: tl.constexpr, R: tl.constexpr):
+    """int8 coefficients ``coefs [BP, S, RC]`` (columns ``rr``; those >= R are zero and not stored),
+    one float16 scale per token."""
+    cs16, cs = _scale_up(tl.max(tl.abs(coefs), axis=2) / 127.0)  # [BP, S]
+    cq = tl.minimum(tl.maximum(_rint(coefs / cs[:, :, None]), -127.0), 127.0).to(tl.int8)
+    tl.store(coef_ptr + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + rr[None, None, :], cq,
+             mask=ok[:, None, None] & (rr < R)[None, None, :])
+    tl.store(cscale_ptr + ph[:, None] * S + s_idx[None, :], cs16, mask=ok[:, None])
+
+
+@triton.jit
+def _basis_coefs_loop(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr,
+                      BP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """Basis ``v_r = dev^T u_r / |.|`` and coefficients ``dev v_r``, one rank at a time (exact float32
+    reductions)."""
+    rr = tl.arange(0, R)
+    coefs = tl.zeros([BP, S, R], tl.float32)
+    for r in tl.static_range(R):
+        oh = (rank == r).to(tl.float32)
+        u = tl.sum(v * oh[:, None, :], axis=2)  # [BP, S] eigenvector of the r-th eigenvalue
+        keep = (tl.sum(lam * oh, axis=1) > floor) & (floor >= 0.0)
+        be = tl.sum(de * u[:, :, None], axis=1)  # [BP, D/2] = dev^T u (even dims)
+        bo = tl.sum(do * u[:, :, None], axis=1)
+        nrm = tl.sqrt(tl.sum(be * be, axis=1) + tl.sum(bo * bo, axis=1))
+        inv = tl.where(keep & (nrm > 0.0), 1.0 / tl.where(nrm > 0.0, nrm, 1.0), 0.0)
+        be = be * inv[:, None]
+        bo = bo * inv[:, None]
+        cr = tl.sum(de * be[:, None, :], axis=2) + tl.sum(do * bo[:, None, :], axis=2)  # [BP, S]
+        coefs += cr[:, :, None] * (rr == r).to(tl.float32)[None, None, :]
+        _store_basis_row(be, bo, ph, r, ok, j[None, :], basis_ptr, bscale_ptr, D, R)
+    _store_coefs(coefs, ph, ok, s_idx, rr, coef_ptr, cscale_ptr, S, R)
+
+
+@triton.jit
+def _basis_coefs_dots(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr,
+                      BP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """:func:`_basis_coefs_loop` for all ranks at once: eigenvectors sorted by a gather, then basis
+    ``U^T dev`` and coefficients ``dev B^T`` as batched ``tl.dot``s (``tf32x3`` on the GPU) over S
+    rank slots, those >= R (and dropped directions) zeroed."""
+    ii = tl.arange(0, S)
+    order = tl.sum(tl.where(rank[:, :, None] == ii[None, None, :], ii[None, :, None], 0), axis=1)  # [BP, S]
+    vs = tl.gather(v, tl.broadcast_to(order[:, None, :], (BP, S, S)), 2)  # column r: r-th eigenvector
+    keep = (tl.gather(lam, order, 1) > floor[:, None]) & (floor >= 0.0)[:, None] & (ii < R)[None, :]
+    ut = tl.permute(vs, (0, 2, 1))
+    be = tl.dot(ut, de, input_precision=PRECISION)  # [BP, S, D/2]: row r = dev^T u_r (even dims)
+    bo = tl.dot(ut, do, input_precision=PRECISION)
+    nrm = tl.sqrt(tl.sum(be * be, axis=2) + tl.sum(bo * bo, axis=2))  # [BP, S]
+    inv = tl.where(keep & (nrm > 0.0), 1.0 / tl.where(nrm > 0.0, nrm, 1.0), 0.0)
+    be = be * inv[:, :, None]
+    bo = bo * inv[:, :, None]
+    coefs = tl.dot(de, tl.permute(be, (0, 2, 1)), input_precision=PRECISION)  # [BP, S tokens, S slots]
+    coefs = tl.dot(do, tl.permute(bo, (0, 2, 1)), acc=coefs, input_precision=PRECISION)
+    rows = tl.minimum(ii, R - 1)[None, :]  # slots >= R masked out below
+    _store_basis_row(be, bo, ph[:, None], rows, ok[:, None] & (ii < R)[None, :], j[None, None, :], basis_ptr,
+                     bscale_ptr, D, R)
+    _store_coefs(coefs, ph, ok, s_idx, ii, coef_ptr, cscale_ptr, S, R)
+
+
+@triton.jit
 def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv, bt_ptr, stride_bt,
                   basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr, censcale_ptr, eig_ptr, n_sweeps,
                   floor2, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
                   INCREMENTAL: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr,
-                  ROT: tl.constexpr = 0):
+                  ROT: tl.constexpr = 0, FINISH: tl.constexpr = 1,
+                  RELOAD_VOLATILE: tl.constexpr = True):
     it = tl.program_id(0) * BP + tl.arange(0, BP)
     im = it < n_items
     i = it // Hkv
@@ -203,33 +278,13 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
         if WRITE_EIG:
             tl.store(eig_ptr + it[:, None].to(tl.int64) * S + rank, lam, mask=im[:, None])
         floor = floor2 * tl.max(lam, axis=1)
-        de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S)  # reloaded: frees registers above
-        rr = tl.arange(0, R)
-        coefs = tl.zeros([BP, S, R], tl.float32)
-        for r in tl.static_range(R):
-            oh = (rank == r).to(tl.float32)
-            u = tl.sum(v * oh[:, None, :], axis=2)  # [BP, S] eigenvector of the r-th eigenvalue
-            keep = (tl.sum(lam * oh, axis=1) > floor) & (floor >= 0.0)
-            be = tl.sum(de * u[:, :, None], axis=1)  # [BP, D/2] = dev^T u (even dims)
-            bo = tl.sum(do * u[:, :, None], axis=1)
-            nrm = tl.sqrt(tl.sum(be * be, axis=1) + tl.sum(bo * bo, axis=1))
-            inv = tl.where(keep & (nrm > 0.0), 1.0 / tl.where(nrm > 0.0, nrm, 1.0), 0.0)
-            be = be * inv[:, None]
-            bo = bo * inv[:, None]
-            cr = tl.sum(de * be[:, None, :], axis=2) + tl.sum(do * bo[:, None, :], axis=2)  # [BP, S]
-            coefs += cr[:, :, None] * (rr == r).to(tl.float32)[None, None, :]
-            amax = tl.maximum(tl.max(tl.abs(be), axis=1), tl.max(tl.abs(bo), axis=1))
-            sc16, sc = _scale_up(amax / 7.0)
-            qe = tl.minimum(tl.maximum(_rint(be / sc[:, None]), -7.0), 7.0).to(tl.int32)
-            qo = tl.minimum(tl.maximum(_rint(bo / sc[:, None]), -7.0), 7.0).to(tl.int32)
-            byte = ((qe & 15) | ((qo & 15) << 4)).to(tl.uint8)
-            tl.store(basis_ptr + (ph * R + r)[:, None] * (D // 2) + j[None, :], byte, mask=ok[:, None])
-            tl.store(bscale_ptr + ph * R + r, sc16, mask=ok)
-        cs16, cs = _scale_up(tl.max(tl.abs(coefs), axis=2) / 127.0)  # [BP, S]
-        cq = tl.minimum(tl.maximum(_rint(coefs / cs[:, :, None]), -127.0), 127.0).to(tl.int8)
-        tl.store(coef_ptr + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + rr[None, None, :], cq,
-                 mask=ok[:, None, None])
-        tl.store(cscale_ptr + ph[:, None] * S + s_idx[None, :], cs16, mask=ok[:, None])
+        de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S, RELOAD_VOLATILE)  # reloaded
+        if FINISH == 1:
+            _basis_coefs_dots(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
+                              cscale_ptr, BP, S, D, R, PRECISION)
+        else:
+            _basis_coefs_loop(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
+                              cscale_ptr, BP, S, D, R)
         ms16, ms = _scale_up(tl.maximum(tl.max(tl.abs(mue), axis=1), tl.max(tl.abs(muo), axis=1)) / 127.0)
         ce = tl.minimum(tl.maximum(_rint(mue / ms[:, None]), -127.0), 127.0).to(tl.int8)
         co = tl.minimum(tl.maximum(_rint(muo / ms[:, None]), -127.0), 127.0).to(tl.int8)
@@ -238,14 +293,25 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
         tl.store(censcale_ptr + ph, ms16, mask=ok)
 
 
-# Bulk builds on CUDA tune items per program and warps once per shape (the kernel rewrites its
-# outputs, so re-running it while tuning is harmless); incremental builds keep a fixed launch.
-# Fewer items and warps per program won for the lean rotations on the H200 (per llama3-8b layer at 1M:
-# 1 x 1: 37 ms, 2 x 2: 55, 4 x 4: 63, 8 x 8: 91).
+# Bulk builds on CUDA tune items per program, warps and a register cap once per shape (the kernel
+# rewrites its outputs, so re-running it while tuning is harmless); incremental builds keep a fixed
+# launch. Fewer items and warps per program won for the lean rotations on the H200 (per llama3-8b
+# layer at 1M: 1 x 1: 37 ms, 2 x 2: 55, 4 x 4: 63, 8 x 8: 91). Uncapped, a 1-warp program takes 255
+# registers (the Gram's tf32x3 operands), so an SM holds 8 of them and each scheduler has 2 warps to
+# hide the solver's shuffle and shared-memory latency; capped at 144 (or 128) the solver loop still
+# spills nothing (sm_90 SASS; spills only before and after it) and 14 fit (then shared memory, 16 KB
+# per program, is the limit).
+# ``REGISTER_CAPS`` (prepared, off until measured on the GPU) adds the capped launches to the tuning.
 _BUILD_CONFIGS = [triton.Config({"BP": bp}, num_warps=w) for bp, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4))]
-_build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE_EIG", "ROT"])(_build_kernel)
+_CAPPED_CONFIGS = [triton.Config({"BP": 1}, num_warps=1, maxnreg=m) for m in (144, 128)]
+_TUNE_KEY = ["Hkv", "S", "D", "R", "WRITE_EIG", "ROT", "FINISH"]
+_build_tuned = triton.autotune(_BUILD_CONFIGS, key=_TUNE_KEY)(_build_kernel)
+_build_tuned_caps = triton.autotune(_BUILD_CONFIGS + _CAPPED_CONFIGS, key=_TUNE_KEY)(_build_kernel)
+REGISTER_CAPS = False
 ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2}  # how Jacobi rotates: _jacobi_gathers / _dots / _lean
 ROTATION = "lean"
+FINISHES = {"loop": 0, "dots": 1}  # basis and coefficients: _basis_coefs_loop / _basis_coefs_dots
+FINISH = "loop"  # "dots": prepared, off until measured on the GPU
 
 
 def _rot(rotation: str | None) -> int:
@@ -255,36 +321,43 @@ def _rot(rotation: str | None) -> int:
     return ROTATIONS[rotation]
 
 
-def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=SWEEPS, rotation=None, launch=None):
+def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=SWEEPS, rotation=None, launch=None,
+            finish=None):
     _, s, hkv, d = k_cache.shape
     rot = _rot(rotation)
+    finish = FINISH if finish is None else finish
+    if finish not in FINISHES:
+        raise ValueError(f"finish={finish!r}: allowed {tuple(FINISHES)}")
     if k_cache.stride(-1) != 1:
         raise ValueError("k_cache needs a contiguous last dim")
     prec = "tf32x3" if k_cache.is_cuda else "ieee"
     tb = table if table is not None else ids
     tuned = k_cache.is_cuda and not incremental and not launch
-    kernel = _build_tuned if tuned else _build_kernel
+    kernel = (_build_tuned_caps if REGISTER_CAPS else _build_tuned) if tuned else _build_kernel
     launch = {} if tuned else dict(launch or {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4})
     kernel[lambda meta: (triton.cdiv(max(n_items, 1), meta["BP"]),)](
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ids, n_items, hkv, tb,
         tb.stride(0) if table is not None else 0, store.basis, store.basis_scale, store.coef, store.coef_scale,
         store.centroid, store.centroid_scale, eig if eig is not None else store.coef_scale, sweeps, REL_FLOOR**2,
         S=s, D=d, R=store.rank, INCREMENTAL=incremental, WRITE_EIG=eig is not None, PRECISION=prec, ROT=rot,
+        FINISH=FINISHES[finish],
         **launch,
     )
 
 
 def build_pages(k_cache: torch.Tensor, store: PagedSummaries, page_ids: torch.Tensor, *, eig=None,
-                sweeps: int = SWEEPS, rotation: str | None = None, launch: dict | None = None) -> None:
+                sweeps: int = SWEEPS, rotation: str | None = None, launch: dict | None = None,
+                finish: str | None = None) -> None:
     """Build the summaries of physical pages ``page_ids [N]`` int32 (-1 = skip), all KV heads.
 
     k_cache : ``[num_pages, S, Hkv, D]``; writes ``store`` at those page ids. ``eig``: optional
     float32 ``[N * Hkv, S]`` receiving each page's Gram eigenvalues in descending order.
     ``rotation``: a key of :data:`ROTATIONS`; None = :data:`ROTATION`. ``launch``: fixed ``BP`` /
-    ``num_warps`` instead of the autotuned launch (CUDA bulk builds).
+    ``num_warps`` instead of the autotuned launch (CUDA bulk builds). ``finish``: a key of
+    :data:`FINISHES` (how basis and coefficients are formed); None = :data:`FINISH`.
     """
     _launch(k_cache, store, page_ids, page_ids.numel() * k_cache.shape[2], None, False, eig, sweeps, rotation,
-            launch)
+            launch, finish)
 
 
 def build_new_pages(k_cache: torch.Tensor, store: PagedSummaries, block_table: torch.Tensor,
@@ -294,7 +367,8 @@ def build_new_pages(k_cache: torch.Tensor, store: PagedSummaries, block_table: t
     _launch(k_cache, store, seq_lens, seq_lens.numel() * k_cache.shape[2], block_table, True)
 
 
-def build_summaries(keys: torch.Tensor, config: LocksConfig, *, rotation: str | None = None) -> PageSummaries:
+def build_summaries(keys: torch.Tensor, config: LocksConfig, *, rotation: str | None = None,
+                    finish: str | None = None) -> PageSummaries:
     """Same as :func:`kvlocks.summary.build.build_summaries` (int4/int8): ``[..., P, S, D]`` pages."""
     check_kernel_config(config, keys.shape[-1])
     *lead, p, s, d = keys.shape
@@ -306,7 +380,7 @@ def build_summaries(keys: torch.Tensor, config: LocksConfig, *, rotation: str | 
     eig = torch.zeros(rows * p, s, device=keys.device)
     ids = torch.arange(rows * p, dtype=torch.int32, device=keys.device)
     if rows * p:
-        build_pages(cache, store, ids, eig=eig, rotation=rotation)
+        build_pages(cache, store, ids, eig=eig, rotation=rotation, finish=finish)
     lam = eig.clamp_min(0.0).view(*lead, p, s)
     r = config.rank
     kept = lam[..., :r] > (REL_FLOOR**2) * lam[..., :1]
