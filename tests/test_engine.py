@@ -354,15 +354,15 @@ def test_bad_input_raises_clear_errors():
 
 
 def test_auto_method_picks_dense_below_and_locks_from_its_threshold():
-    """method="auto": a prompt shorter than auto_min_context decodes exactly like method="dense"
-    (and builds no summaries), one at least as long exactly like method="locks"."""
+    """method="auto": a generation whose context stays below auto_min_context decodes exactly like
+    method="dense", a prompt at least as long exactly like method="locks"."""
     model = _tiny("llama3.1-8b", seed=2)
     ids = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(1))
     cfg = dict(locks=LocksConfig(budget=48), max_context=128)
     ref = {m: DecodeEngine(model, EngineConfig(method=m, **cfg)).generate(ids, max_new_tokens=12)
            for m in ("dense", "locks")}
     assert not torch.equal(ref["dense"], ref["locks"])  # the budget is small enough to change tokens
-    for threshold, expect in ((101, "dense"), (100, "locks")):
+    for threshold, expect in ((111, "dense"), (100, "locks")):  # decode steps run at lengths 100..110
         eng = DecodeEngine(model, EngineConfig(method="auto", auto_min_context=threshold, **cfg))
         assert torch.equal(eng.generate(ids, max_new_tokens=12), ref[expect]), threshold
         assert eng.method == expect
@@ -373,6 +373,42 @@ def test_auto_method_picks_dense_below_and_locks_from_its_threshold():
     dense_short = DecodeEngine(model, EngineConfig(method="dense", **cfg)).generate(short, max_new_tokens=12)
     assert torch.equal(eng.generate(short, max_new_tokens=12), dense_short) and eng.method == "dense"
 
+
+
+def test_auto_method_switches_to_locks_when_decode_reaches_its_threshold(monkeypatch):
+    """method="auto" with a prompt below auto_min_context: dense decode until the context reaches it,
+    then every full page's summaries are built and LOCKS decodes the rest. At a budget covering the
+    whole context LOCKS attends every token, so the tokens equal method="dense"'s; the summaries
+    equal a rebuild of every full page at the end; the LOCKS step ran exactly from the threshold."""
+    model = _tiny("llama3.1-8b", seed=2)
+    ids = torch.randint(0, 512, (1, 60), generator=torch.Generator().manual_seed(3))
+    cfg = dict(locks=LocksConfig(budget=128), max_context=128)
+    dense = DecodeEngine(model, EngineConfig(method="dense", **cfg)).generate(ids, max_new_tokens=40)
+    eng = DecodeEngine(model, EngineConfig(method="auto", auto_min_context=80, **cfg))
+    seen = []
+    for method in ("dense", "locks"):
+        eng._use(method)
+        run = eng.step.attn.run
+
+        def spy(layer, q, seq_lens, run=run, method=method, **kw):
+            if layer == 0:
+                seen.append((method, eng.cache.length))
+            return run(layer, q, seq_lens, **kw)
+
+        monkeypatch.setattr(eng.step.attn, "run", spy)
+    eng._use("dense")
+    got = eng.generate(ids, max_new_tokens=40)
+    assert torch.equal(got, dense)
+    assert eng.method == "locks"
+    # step i (0-based) runs at length 60 + i: dense below 80, LOCKS from 80 on
+    assert seen == [("dense" if n < 80 else "locks", n) for n in range(60, 99)]
+    cache, s = eng.cache, eng.cache.page_size
+    full = cache.block_table[0, : int(cache.seq_lens[0]) // s]
+    for layer in (0, len(cache.summaries) - 1):
+        fresh = PagedSummaries.empty(cache.num_pages, cache.k.shape[-2], cache.k.shape[-1], cache.config)
+        build_pages(cache.k[layer], fresh, full, cache.config, backend="torch")
+        for a, b in zip(cache.summaries[layer]._fields(), fresh._fields()):
+            assert torch.equal(a[full.long()], b[full.long()])
 
 def test_auto_min_context_must_be_a_non_negative_int():
     with pytest.raises(ValueError, match="auto_min_context"):

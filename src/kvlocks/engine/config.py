@@ -22,9 +22,11 @@ class EngineConfig(ConfigIO):
     ----------
     method : ``"locks"`` (score summaries, select ``budget`` tokens per layer and KV head, attend
         those), ``"dense"`` (attend every token: the split-KV kernel over all pages on CUDA) or
-        ``"auto"``: LOCKS for prompts of at least ``auto_min_context`` tokens, dense below (where
-        dense is as fast or faster), decided once per prefill; summaries are built only for LOCKS
-    auto_min_context : (auto) the prompt length from which LOCKS is used; the default is the
+        ``"auto"``: dense while the context is shorter than ``auto_min_context`` tokens (where dense
+        is as fast or faster), LOCKS from there on: chosen at each prefill by the prompt's length,
+        and a dense decode switches to LOCKS at the step whose context reaches the threshold
+        (every full page's summaries are built then, once); summaries are built only for LOCKS
+    auto_min_context : (auto) the context length from which LOCKS is used; the default is the
         crossover measured on the H200 (GLM-4-9B shape, budget 2048), other models and GPUs differ
     locks : LocksConfig (page size, budget, summary settings; int4 basis / int8 coefficients)
     batch : B, sequences decoded together (prompts of equal length, no padding)

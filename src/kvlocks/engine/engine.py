@@ -83,20 +83,37 @@ class DecodeEngine:
         return logits
 
     def decode(self, steps: int) -> torch.Tensor:
-        """``steps`` decode steps from the current state; int64 ``[B, steps]`` of the tokens they pick."""
+        """``steps`` decode steps from the current state; int64 ``[B, steps]`` of the tokens they pick.
+        With ``method="auto"``, a dense decode whose context reaches ``auto_min_context`` switches to
+        LOCKS at that step: the summaries of every full page are built then (once, in line), and the
+        steps after it run LOCKS's step (and graph)."""
         room = self.cache.capacity - self.cache.length
         if steps > room:
             raise ValueError(f"{steps} decode steps do not fit: the cache has room for {room} more tokens")
         if self.pending_build is not None:
             self.pending_build.finish()
             self.pending_build = None
-        if self.runner is None:
-            self.runner = self._runners[self.method] = StepRunner(self.step, use_graph=self.use_graph)
         out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.parts.device)
         for i in range(steps):
+            if self._reaches_auto_threshold():
+                self._switch_to_locks()
+            if self.runner is None:
+                self.runner = self._runners[self.method] = StepRunner(self.step, use_graph=self.use_graph)
             self.runner()  # advances cache.length
             out[:, i].copy_(self.step.tokens)
         return out
+
+    def _reaches_auto_threshold(self) -> bool:
+        return (self.config.method == "auto" and self.method == "dense"
+                and self.cache.length >= self.config.auto_min_context)
+
+    def _switch_to_locks(self) -> None:
+        """auto, mid-decode: build every full page's summaries, then decode with LOCKS (same token
+        to feed: the step objects share the cache, and the next token moves over)."""
+        tokens = self.step.tokens
+        self.cache.build(backend=self.backend)
+        self._use("locks")
+        self.step.tokens.copy_(tokens)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
