@@ -139,6 +139,48 @@ def test_engine_equals_hf_on_random_models_batch_2(kind):
         assert torch.equal(eng.generate(ids, max_new_tokens=20), hf), method
 
 
+
+@pytest.mark.parametrize("kind", ["glm4-9b-1m", "llama3.1-8b"])
+def test_fused_qkv_projection_keeps_the_model_and_the_tokens(kind, monkeypatch):
+    """step.FUSE_QKV: each layer's q/k/v weights (and GLM's biases) laid out in one matrix, the
+    modules' parameters views of it (no memory added); HF's own greedy tokens are unchanged after
+    fusing, and the engine's (one product, split) equal them, dense and LOCKS."""
+    from kvlocks.engine import step as step_mod
+    from kvlocks.engine.fused import fused_qkv
+
+    model = _tiny(kind, seed=1)
+    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(0))
+    hf = _hf_greedy(model, ids, 20)
+    params = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(step_mod, "FUSE_QKV", True)
+    for method in ("dense", "locks"):
+        eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=1024), batch=2,
+                                               max_context=128))
+        assert torch.equal(eng.generate(ids, max_new_tokens=20), hf), method
+    attn = model.model.layers[0].self_attn
+    weight, bias, sizes = fused_qkv(attn)
+    assert fused_qkv(attn)[0] is weight  # made once
+    assert sizes == (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+    for mod, at in ((attn.q_proj, 0), (attn.k_proj, sizes[0]), (attn.v_proj, sizes[0] + sizes[1])):
+        assert mod.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        assert torch.equal(mod.weight, weight[at : at + mod.out_features])
+        assert (mod.bias is not None) == (bias is not None) == (kind == "glm4-9b-1m")
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert torch.equal(_hf_greedy(model, ids, 20), hf)
+
+
+def test_fused_qkv_refuses_layers_it_cannot_fuse():
+    from kvlocks.engine.fused import fused_qkv
+
+    attn = _tiny("llama3.1-8b", num_hidden_layers=1).model.layers[0].self_attn
+    attn.k_proj = torch.nn.Sequential(attn.k_proj)
+    with pytest.raises(ValueError, match="plain torch.nn.Linear"):
+        fused_qkv(attn)
+    attn = _tiny("llama3.1-8b", num_hidden_layers=1).model.layers[0].self_attn
+    attn.v_proj.bias = torch.nn.Parameter(torch.zeros(attn.v_proj.out_features))
+    with pytest.raises(ValueError, match="all have a bias or none"):
+        fused_qkv(attn)
+
 def test_triton_backend_matches_torch_backend():
     pytest.importorskip("triton")
     model = _tiny("glm4-9b-1m", seed=1, num_hidden_layers=1)
@@ -170,10 +212,16 @@ def test_engine_with_cuda_score_kernel_equals_triton_score_kernel(monkeypatch):
     assert torch.allclose(out["cuda"][1], out["packed"][1], atol=1e-3 * float(out["packed"][1].abs().max()))
 
 
-def test_compiled_step_equals_eager_and_compiles_once_for_all_layers():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compiled_step_equals_eager_and_compiles_once_for_all_layers(fuse, monkeypatch):
     """torch.compile of the per-layer pieces: the same tokens and logits as the eager step, and one
-    graph per piece serves every layer (parameters are graph inputs, not constants)."""
+    graph per piece serves every layer (parameters are graph inputs, not constants), also with the
+    fused q/k/v weights (step.FUSE_QKV) as inputs."""
     from torch._dynamo.utils import counters
+
+    from kvlocks.engine import step as step_mod
+
+    monkeypatch.setattr(step_mod, "FUSE_QKV", fuse)
 
     model = _tiny("glm4-9b-1m", seed=4, num_hidden_layers=3)
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))

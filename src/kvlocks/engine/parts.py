@@ -93,9 +93,11 @@ def model_parts(model) -> ModelParts:
     )
 
 
-def project_qkv(parts: ModelParts, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def project_qkv(parts: ModelParts, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv=None):
     """Input norm, q/k/v projections and the model's RoPE for tokens ``x [B, L, H]``.
 
+    ``qkv``: optional ``(W_qkv, b_qkv)`` of :func:`kvlocks.engine.fused.fused_qkv` (the layer's three
+    projection weights in one matrix): one product, split, instead of the three modules' calls.
     Returns q ``[B, Hq, L, D]``, k and v ``[B, Hkv, L, D]`` (post-RoPE q and k), as the model's
     attention module computes them.
     """
@@ -103,9 +105,14 @@ def project_qkv(parts: ModelParts, layer, x: torch.Tensor, cos: torch.Tensor, si
     h = layer.input_layernorm(x)
     bsz, n = x.shape[:2]
     d = parts.head_dim
-    q = attn.q_proj(h).view(bsz, n, -1, d).transpose(1, 2)
-    k = attn.k_proj(h).view(bsz, n, -1, d).transpose(1, 2)
-    v = attn.v_proj(h).view(bsz, n, -1, d).transpose(1, 2)
+    if qkv is None:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    else:
+        nq, nkv = parts.num_q_heads * d, parts.num_kv_heads * d
+        q, k, v = torch.nn.functional.linear(h, qkv[0], qkv[1]).split([nq, nkv, nkv], dim=-1)
+    q = q.reshape(bsz, n, -1, d).transpose(1, 2)
+    k = k.reshape(bsz, n, -1, d).transpose(1, 2)
+    v = v.reshape(bsz, n, -1, d).transpose(1, 2)
     q, k = parts.apply_rope(q, k, cos, sin)
     return q, k, v
 

@@ -23,7 +23,13 @@ import torch
 
 from kvlocks.engine.attention import make_attention
 from kvlocks.engine.cache import StaticPagedCache
+from kvlocks.engine.fused import fused_qkv
 from kvlocks.engine.parts import ModelParts, finish_layer, project_qkv
+
+# Each layer's q/k/v projections as one product over the three weights laid out in one matrix
+# (kvlocks.engine.fused: the modules' parameters become views of it, no memory added): two fewer
+# launches per layer. Off until timed on a GPU (scripts/device/select_ab.py --modes ...,fused_qkv).
+FUSE_QKV = False
 
 
 class DecodeStep:
@@ -43,6 +49,7 @@ class DecodeStep:
         self.parts, self.cache, self.backend, self.compiled = parts, cache, backend, compile
         self._qkv = torch.compile(project_qkv, dynamic=False) if compile else project_qkv
         self._finish = torch.compile(finish_layer, dynamic=False) if compile else finish_layer
+        self._fused = [fused_qkv(layer.self_attn)[:2] for layer in parts.layers] if FUSE_QKV else None
         dev = cache.k.device
         self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)  # [B] next input token
         self.lens_next = torch.zeros_like(cache.seq_lens)  # [B] int32
@@ -73,7 +80,8 @@ class DecodeStep:
         cos, sin = p.rotary(x, pos.unsqueeze(1))
         hq, d = p.num_q_heads, p.head_dim
         for li, layer in enumerate(p.layers):
-            q, k, v = self._qkv(p, layer, x, cos, sin)  # [B, Hq, 1, D], [B, Hkv, 1, D]
+            qkv = self._fused[li] if self._fused is not None else None
+            q, k, v = self._qkv(p, layer, x, cos, sin, qkv)  # [B, Hq, 1, D], [B, Hkv, 1, D]
             self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
             self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
             out = self.attn.run(li, q[:, :, 0].contiguous(), self.lens_next, build=build)  # [B, Hq, D]
