@@ -44,3 +44,6 @@ timeout 200 python scripts/device/select_ab.py --modes skip_idle_builds,fused_qk
     --out "$out/ab_qkv" > "$out/ab_qkv.txt" 2>&1
 echo "e2e A/B exit $?"
 grep -E "^(skip|fused)" "$out/ab_qkv.txt"
+# at most 8 files come back from $OUT: everything in one archive, the top-level summaries beside it
+tar czf /tmp/pending10.tgz -C "$out" . && mv /tmp/pending10.tgz "$out/all.tgz" && rm -rf "$out/tests" "$out/ab_qkv"
+ls "$out"
