@@ -39,14 +39,15 @@ from kvlocks.summary import triton as build_tri  # noqa: E402
 S = 16
 
 
-def _build(keys: torch.Tensor, sweeps: int, cfg: LocksConfig):
+def _build(keys: torch.Tensor, sweeps: int, cfg: LocksConfig, rotation: str = "lean"):
     """keys ``[Hkv, N, D]`` -> reference-layout summaries ``[Hkv, P, ...]`` built by the kernel."""
     hkv, n, d = keys.shape
     p = n // S
     cache = keys.reshape(hkv, p, S, d).permute(1, 2, 0, 3).contiguous()  # [P, S, Hkv, D]
     store = PagedSummaries.empty(p, hkv, d, cfg)
     ids = torch.arange(p, dtype=torch.int32)
-    build_tri.build_pages(cache, store, ids, sweeps=sweeps, launch={"BP": 16, "num_warps": 4})  # per-item results do not depend on BP
+    build_tri.build_pages(cache, store, ids, sweeps=sweeps, launch={"BP": 16, "num_warps": 4},  # per-item results do not depend on BP
+                          rotation=rotation)
     return store.gather(ids)
 
 
@@ -62,28 +63,38 @@ def _topk_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     return float(same.mean())
 
 
-def study(name: str, keys: torch.Tensor, queries: torch.Tensor, scale: float, sweeps: list[int], k: int) -> list[dict]:
-    """keys ``[Hkv, N, D]``, queries ``[Hkv, G, D]`` (one decode step's heads) -> one row per sweep count."""
+def study(name: str, keys: torch.Tensor, queries: torch.Tensor, scale: float, sweeps: list[int], k: int,
+          rotations: tuple[str, ...] = ("lean",)) -> list[dict]:
+    """keys ``[Hkv, N, D]``, queries ``[Hkv, G, D]`` (one decode step's heads) -> one row per
+    (rotation, sweep count); "vs_5" compares with the lean rotations at 5 sweeps, "vs_float64" with
+    the reference build (float64 eigendecomposition, :mod:`kvlocks.summary.build`)."""
+    from kvlocks.summary.build import build_summaries
+
     cfg = LocksConfig()
     hkv, n, d = keys.shape
     pages = keys.reshape(hkv, n // S, S, d)
     centred = pages - pages.mean(dim=-2, keepdim=True)
     exact = exact_page_lse(queries, keys, S, scale=scale)  # [Hkv, G, P]
     built = {}
-    for sw in sorted(set(sweeps) | {5}):
-        t0 = time.perf_counter()
-        built[sw] = (_build(keys, sw, cfg), time.perf_counter() - t0)
-    ref_rec = _recon(built[5][0])
-    ref_scores = score_pages_from_summaries(queries, built[5][0], scale=scale)
+    for rot in rotations:
+        for sw in sorted(set(sweeps) | ({5} if rot == "lean" else set())):
+            t0 = time.perf_counter()
+            built[rot, sw] = (_build(keys, sw, cfg, rot), time.perf_counter() - t0)
+    if ("lean", 5) not in built:
+        built["lean", 5] = (_build(keys, 5, cfg), 0.0)
+    ref_rec = _recon(built["lean", 5][0])
+    ref_scores = score_pages_from_summaries(queries, built["lean", 5][0], scale=scale)
+    f64_rec = _recon(build_summaries(pages.double(), cfg)).float()
     rows = []
-    for sw in sweeps:
-        s, secs = built[sw]
+    for rot, sw in [(r, w) for r in rotations for w in sweeps]:
+        s, secs = built[rot, sw]
         rec = _recon(s)
         scores = score_pages_from_summaries(queries, s, scale=scale)
         rows.append({
-            "case": name, "sweeps": sw, "pages": hkv * (n // S), "head_dim": d,
+            "case": name, "rotation": rot, "sweeps": sw, "pages": hkv * (n // S), "head_dim": d,
             "recon_err_vs_keys": float((rec - pages).norm() / centred.norm()),
             "recon_diff_vs_5": float((rec - ref_rec).norm() / centred.norm()),
+            "recon_diff_vs_float64": float((rec - f64_rec).norm() / centred.norm()),
             "score_mae_vs_exact": float((scores - exact).abs().mean()),
             "score_max_diff_vs_5": float((scores - ref_scores).abs().max()),
             f"top{k}_overlap_vs_5": _topk_overlap(scores, ref_scores, k),
@@ -128,16 +139,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="real prompt's prefix tokens (bundled model)")
     ap.add_argument("--synthetic-pages", type=int, default=96)
     ap.add_argument("--k", type=int, default=8, help="pages in the top-k overlap")
+    ap.add_argument("--rotations", default="lean", help="comma-separated keys of summary.triton.ROTATIONS")
+    ap.add_argument("--no-real", action="store_true", help="synthetic pages only (no bundled model)")
     args = ap.parse_args()
     sweeps = [int(x) for x in args.sweeps.split(",")]
     rows = []
-    cases = synthetic_cases(args.synthetic_pages, 0) + real_cases([int(x) for x in args.layers.split(",")],
-                                                                  args.tokens)
+    cases = synthetic_cases(args.synthetic_pages, 0)
+    if not args.no_real:
+        cases += real_cases([int(x) for x in args.layers.split(",")], args.tokens)
+    rotations = tuple(args.rotations.split(","))
     for name, keys, queries, scale in cases:
-        rows += study(name, keys.float().contiguous(), queries.float().contiguous(), scale, sweeps, args.k)
+        rows += study(name, keys.float().contiguous(), queries.float().contiguous(), scale, sweeps, args.k,
+                      rotations)
     with open(args.out, "w") as f:
-        json.dump({"command": "scripts/analysis/build_sweeps.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"), "rows": rows}, f, indent=1)
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                 for k, v in vars(args).items() if k != "out" and v is not False]
+        json.dump({"command": "scripts/analysis/build_sweeps.py " + " ".join(flags), "rows": rows}, f, indent=1)
         f.write("\n")
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Session 10's open questions about the summary build (issue 5: whole model at 1M under 1 s;
-# llama3-8b 1.19 s at 5 Jacobi sweeps, 1.03 s at 4), prepared on the CPU (one call, ~8 min):
+# llama3-8b 1.19 s at 5 Jacobi sweeps, 1.03 s at 4), prepared on the CPU (one call, ~9 min):
 # - register caps: uncapped, a 1-warp build program takes 255 registers (8 per SM, 2 warps per
 #   scheduler for a latency-bound solver loop); capped at 144/128 the loop spills nothing (sm_90
 #   SASS) and 14 programs fit. `maxnreg` launches and the autotuner with them (REGISTER_CAPS);
 # - basis and coefficients as batched tf32x3 dots (FINISH = "dots": 4688 static SASS instructions
 #   against 7200, the solver loop unchanged at 246);
+# - the Jacobi pairs of step m as (i, i XOR m) (rotation "xor": 215 instructions per step against
+#   the round-robin's 246; "xor_unrolled": 191, the steps unrolled into 46 KB of code);
 # - at 5 and 4 sweeps. GPU tests first (dots against the float64 reference, the capped build equal
 #   to the uncapped one bit for bit, the rounding trick, the incremental build), then the probe,
 #   then the score-kernel launch probe that did not run in pending9 (syntax error, fixed);
@@ -20,9 +22,10 @@ KVLOCKS_TEST_TIMEOUT=200 bash scripts/device/gpu_tests.sh "$out/tests" 4 \
     tests/test_kernels.py::test_build_rounding_is_half_to_even_like_torch_round \
     tests/test_kernels.py::test_incremental_build_builds_just_filled_pages | tail -3
 export PYTHONPATH=$PWD/src
-v=lean:1:1:5:loop,lean:1:1:5:dots,lean:1:1:5:loop:144,lean:1:1:5:dots:144,lean:1:1:5:dots:128
-v=$v,lean:1:1:4:dots,lean:1:1:4:dots:144,lean:auto:0:5:dots,lean:autocaps:0:5:dots,lean:autocaps:0:5:loop
-timeout 200 python scripts/device/build_probe.py --variants "$v" --out "$out/build.jsonl" > /dev/null 2> "$out/build.err"
+v=lean:1:1:5:loop,lean:1:1:5:dots,lean:1:1:5:dots:144,lean:1:1:5:dots:128,lean:1:1:4:dots:144
+v=$v,xor:1:1:5:dots,xor:1:1:5:dots:144,xor_unrolled:1:1:5:dots,xor_unrolled:1:1:5:dots:144
+v=$v,lean:autocaps:0:5:dots,xor:autocaps:0:5:dots
+timeout 300 python scripts/device/build_probe.py --variants "$v" --out "$out/build.jsonl" > /dev/null 2> "$out/build.err"
 echo "build probe exit $?"
 python3 - "$out/build.jsonl" <<'PY'
 import json, sys

@@ -146,6 +146,38 @@ def _jacobi_lean(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _xor_step(a, v, diag, part, ii, BP: tl.constexpr, S: tl.constexpr):
+    """One step of :func:`_jacobi_xor` for the pairs (i, part[i])."""
+    pm = (ii[None, :] == part[:, None]).to(tl.float32)
+    x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
+    pidx = tl.broadcast_to(part[None, :], (BP, S))
+    apq = 0.5 * (x + tl.gather(x, pidx, 1))
+    dpart = tl.gather(diag, pidx, 1)
+    is_p = (ii < part)[None, :]
+    tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
+    a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
+    return a, v, diag + tl.where(is_p, -tt, tt) * apq
+
+
+@triton.jit
+def _jacobi_xor(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, UNROLL: tl.constexpr):
+    """:func:`_jacobi_lean` with the pairs of step m (1..S-1) = (i, i XOR m): every pair meets once
+    per sweep; the partner index is one XOR instead of a modulo. ``UNROLL``: the S-1 steps unrolled,
+    so each step's partners, masks and signs are compile-time constants (larger code). Returns
+    (A, V, tracked eigenvalues)."""
+    ii = tl.arange(0, S)
+    diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
+    for _sweep in range(n_sweeps):
+        if UNROLL:
+            for m in tl.static_range(1, S):
+                a, v, diag = _xor_step(a, v, diag, ii ^ m, ii, BP, S)
+        else:
+            for m in range(1, S):
+                a, v, diag = _xor_step(a, v, diag, ii ^ m, ii, BP, S)
+    return a, v, diag
+
+
+@triton.jit
 def _jacobi_dots(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
     """:func:`_tracked_step` with the rotations applied as batched dots with the rotation matrix J
     (``A <- J^T (A J)``, ``V <- V J``; ``tf32x3`` on the GPU): no gathers of the tiles. Returns
@@ -241,7 +273,7 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
                   floor2, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
                   INCREMENTAL: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr,
                   ROT: tl.constexpr = 0, FINISH: tl.constexpr = 1,
-                  RELOAD_VOLATILE: tl.constexpr = True):
+                  RELOAD_VOLATILE: tl.constexpr = False):
     it = tl.program_id(0) * BP + tl.arange(0, BP)
     im = it < n_items
     i = it // Hkv
@@ -269,6 +301,10 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
             a, v, lam = _jacobi_dots(a, v, eye, n_sweeps, BP, S, PRECISION)
         elif ROT == 2:
             a, v, lam = _jacobi_lean(a, v, eye, n_sweeps, BP, S)
+        elif ROT == 3:
+            a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, False)
+        elif ROT == 4:
+            a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, True)
         else:
             a, v = _jacobi_gathers(a, v, eye, n_sweeps, BP, S)
             lam = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S] eigenvalues, eigenvectors = columns of v
@@ -278,7 +314,9 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
         if WRITE_EIG:
             tl.store(eig_ptr + it[:, None].to(tl.int64) * S + rank, lam, mask=im[:, None])
         floor = floor2 * tl.max(lam, axis=1)
-        de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S, RELOAD_VOLATILE)  # reloaded
+        # reloaded; as a volatile load with a register cap (RELOAD_VOLATILE), else the compiler merges it
+        # with the first and keeps those values live through the solver (uncapped that costs nothing)
+        de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S, RELOAD_VOLATILE)
         if FINISH == 1:
             _basis_coefs_dots(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
                               cscale_ptr, BP, S, D, R, PRECISION)
@@ -303,12 +341,13 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
 # per program, is the limit).
 # ``REGISTER_CAPS`` (prepared, off until measured on the GPU) adds the capped launches to the tuning.
 _BUILD_CONFIGS = [triton.Config({"BP": bp}, num_warps=w) for bp, w in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 4))]
-_CAPPED_CONFIGS = [triton.Config({"BP": 1}, num_warps=1, maxnreg=m) for m in (144, 128)]
+_CAPPED_CONFIGS = [triton.Config({"BP": 1, "RELOAD_VOLATILE": True}, num_warps=1, maxnreg=m) for m in (144, 128)]
 _TUNE_KEY = ["Hkv", "S", "D", "R", "WRITE_EIG", "ROT", "FINISH"]
 _build_tuned = triton.autotune(_BUILD_CONFIGS, key=_TUNE_KEY)(_build_kernel)
 _build_tuned_caps = triton.autotune(_BUILD_CONFIGS + _CAPPED_CONFIGS, key=_TUNE_KEY)(_build_kernel)
 REGISTER_CAPS = False
-ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2}  # how Jacobi rotates: _jacobi_gathers / _dots / _lean
+# how Jacobi rotates: _jacobi_gathers / _dots / _lean / _xor (runtime loop) / _xor (steps unrolled)
+ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2, "xor": 3, "xor_unrolled": 4}
 ROTATION = "lean"
 FINISHES = {"loop": 0, "dots": 1}  # basis and coefficients: _basis_coefs_loop / _basis_coefs_dots
 FINISH = "loop"  # "dots": prepared, off until measured on the GPU
@@ -335,6 +374,8 @@ def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=S
     tuned = k_cache.is_cuda and not incremental and not launch
     kernel = (_build_tuned_caps if REGISTER_CAPS else _build_tuned) if tuned else _build_kernel
     launch = {} if tuned else dict(launch or {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4})
+    if "maxnreg" in launch:  # capped: reload the keys after the solver rather than keep them live
+        launch.setdefault("RELOAD_VOLATILE", True)
     kernel[lambda meta: (triton.cdiv(max(n_items, 1), meta["BP"]),)](
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ids, n_items, hkv, tb,
         tb.stride(0) if table is not None else 0, store.basis, store.basis_scale, store.coef, store.coef_scale,
