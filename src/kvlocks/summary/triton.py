@@ -14,12 +14,14 @@
    masked reductions per step, 468) and ``dots`` (rotations as tf32x3 batched dots, 733). H200,
    whole model at 1M (``scripts/device/build_probe.py``): lean 1.18 s (llama3-8b) / 0.75 s
    (glm4-9b-1m) at 1 item x 1 warp per program (the autotuner's pick), 1.76 / 1.11 s at 2 x 2;
-   gathers 2.51 / 1.57 s, dots 2.29 / 1.44 s at 4 x 4;
+   gathers 2.51 / 1.57 s, dots 2.29 / 1.44 s at 4 x 4. Prepared, off: ``xor`` / ``xor_unrolled``,
+   the pairs of step m as (i, i XOR m) (215 / 191 instructions per step; see ``_jacobi_xor``);
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
-   coefficients ``dev v_r`` (the projection, as in the reference), then int4/int8 quantization with
-   float16 scales rounded up, round-half-even like ``torch.round``.
+   coefficients ``dev v_r`` (the projection, as in the reference), one rank at a time (``FINISH =
+   "loop"``) or all at once as batched tf32x3 dots (``"dots"``, prepared, off), then int4/int8
+   quantization with float16 scales rounded up, round-half-even like ``torch.round``.
 
 Modes: an explicit list of physical page ids (prefill: every full page), or the incremental build
 (decode): per sequence, the page that the last appended token filled, found on the device from
@@ -272,7 +274,7 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
                   basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, cen_ptr, censcale_ptr, eig_ptr, n_sweeps,
                   floor2, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
                   INCREMENTAL: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr,
-                  ROT: tl.constexpr = 0, FINISH: tl.constexpr = 1,
+                  ROT: tl.constexpr = 0, FINISH: tl.constexpr = 0,
                   RELOAD_VOLATILE: tl.constexpr = False):
     it = tl.program_id(0) * BP + tl.arange(0, BP)
     im = it < n_items
