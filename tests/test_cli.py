@@ -42,6 +42,12 @@ def test_bench_options_build_configs():
     assert cfg.contexts == (16384, 1 << 20) and cfg.compile is False
     bench, args = _bench_args(["e2e", "--out", "x"])
     assert bench._e2e_config(args).compile is True  # compiled step for dense and LOCKS by default
+    assert bench._e2e_config(args).ttft_repeats == 3
+    bench, args = _bench_args(["e2e", "--out", "x", "--ttft-repeats", "5"])
+    assert bench._e2e_config(args).ttft_repeats == 5
+    bench, args = _bench_args(["e2e", "--out", "x", "--ttft-repeats", "0"])
+    with pytest.raises(ValueError, match="ttft_repeats"):
+        bench._e2e_config(args)
     bench, args = _bench_args(["kernels", "--out", "x", "--shapes", "glm4-9b-1m", "--contexts", "256K", "--batches", "1,4"])
     kcfg = bench._kernels_config(args)
     assert kcfg.shapes == ("glm4-9b-1m",) and kcfg.contexts == (262144,) and kcfg.batches == (1, 4)

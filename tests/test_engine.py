@@ -325,6 +325,8 @@ def test_bench_e2e_rows_on_cpu(tmp_path):
         assert (r["ready_ms"] is not None) == (r["build_exposed_ms"] is not None) == overlapped
         if overlapped:
             assert r["ready_ms"] >= r["ttft_ms"] > 0 and "built during it" in r["ttft_note"]
+        if r["fill"] == "prefill":  # the median of 3 runs of each prefill (default ttft_repeats)
+            assert len(r["ttft_runs_ms"]) == 3 and r["ttft_ms"] == sorted(r["ttft_runs_ms"])[1]
     dense, locks = rows[2], rows[3]
     assert locks["kv_bytes"] == dense["kv_bytes"] // 4  # 2 of 8 pages of K/V
     assert locks["summary_bytes"] == 2 * 2 * 8 * 498  # layers x KV heads x pages x bytes per (page, head) at D = 64

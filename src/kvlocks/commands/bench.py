@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
     e.add_argument("--warmup", type=int, help="untimed replays per row (default 4)")
     e.add_argument("--max-prefill", help="real prefill (TTFT) up to this many tokens per case, random K/V "
                                           "above (default 128K; 0 = never)")
+    e.add_argument("--ttft-repeats", type=int, help="real prefills per method and case, dense and LOCKS "
+                                                     "alternating; TTFT is their median (default 3)")
     e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="decode step's per-layer pieces around the attention (dense and LOCKS alike) through "
                         "torch.compile (default on: measured ~2 ms faster per step for both at 1M)")
@@ -61,7 +63,8 @@ def _e2e_config(args):
     kw = {}
     conv = {"models": _names, "contexts": _sizes, "batches": _ints,
             "batch_context": lambda t: _sizes(t)[0], "methods": _names,
-            "budget": int, "steps": int, "warmup": int, "max_prefill": lambda t: _sizes(t)[0], "compile": bool}
+            "budget": int, "steps": int, "warmup": int, "max_prefill": lambda t: _sizes(t)[0], "compile": bool,
+            "ttft_repeats": int}
     for name, fn in conv.items():
         value = getattr(args, name, None)
         if value is not None:
