@@ -227,21 +227,29 @@ SELECT_CASES = [  # (token counts, k, sink, recent, ties, sink_start)
 ]
 
 
-@pytest.mark.parametrize("early,regs,bits", [(False, False, 4), (True, False, 4), (True, True, 4), (False, True, 4),
-                                             (True, True, 5), (False, False, 5)])
+@pytest.mark.parametrize("early,regs,bits,skip", [(False, False, 4, False), (True, False, 4, False),
+                                                  (True, True, 4, False), (False, True, 4, False),
+                                                  (True, True, 5, False), (False, False, 5, False),
+                                                  (True, True, 5, True), (False, False, 4, True),
+                                                  (True, False, 5, True)])
 @pytest.mark.parametrize("lens,k,sink,recent,ties,with_ss", SELECT_CASES)
-def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early, regs, bits):
+def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early, regs, bits, skip):
     gen = torch.Generator().manual_seed(k)
     bsz, hkv, max_pages = len(lens), 3, max(-(-n // S) for n in lens)
     ranking = torch.rand(bsz, hkv, max_pages, generator=gen)
     if ties:  # coarse values and many exact zeros (underflowed shares): ties broken by index
         ranking = (ranking * 3).floor() / 3
+    if skip:  # rebased keys: one row narrow (sign, exponent and 12 mantissa bits shared), one constant
+        # (every key equal: ties broken by index), the others as they are
+        ranking[0, 0] = 0.5 + ranking[0, 0] * 2.0**-13
+        ranking[-1, 1] = 0.25
     seq = torch.tensor(lens, dtype=torch.int32)
     ss = torch.randint(0, 4, (bsz,), generator=gen, dtype=torch.int32) if with_ss else None
     ws = sel_tri.select_workspace(bsz, hkv, max_pages, k, DEV, chunk=32)  # several chunks per row
     ws["early_exit"] = early  # radix passes stopped once the threshold digit is settled: same pages
     ws["merge_in_registers"] = regs  # the merge's passes on one register tile (where the winners fit)
     ws["digit_bits"] = bits  # 4-bit digits (eight passes) or 5-bit (seven, the last 2 bits wide)
+    ws["rebase_keys"] = skip  # radix passes over keys rebased per program (minus the minimum, shifted)
     dv = [t.to(DEV) if t is not None else None for t in (ranking, seq, ss)]
     got = sel_tri.select_pages_paged(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent,
                                      sink_start=dv[2], workspace=ws)
@@ -284,6 +292,7 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     fw["early_exit"] = chunk in (16, 64)  # the early-stopping radix passes, in two cases
     fw["merge_in_registers"] = chunk in (16, 32)  # the merge on one register tile, in three cases
     fw["digit_bits"] = 5 if chunk in (32, 64) else 4  # 5-bit radix digits, in two cases
+    fw["rebase_keys"] = chunk in (None, 64)  # radix passes over rebased keys, in three cases
     sel = dict(page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
     got = fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).clone()
     _, lse, ranking = score_pages(q, store, table, seq, combine=rule, backend="torch")
@@ -297,10 +306,11 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     assert torch.equal(fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).cpu(), got.cpu())
 
 
-@pytest.mark.parametrize("early,regs,bits", [(False, False, 4), (True, False, 4), (True, True, 4), (True, True, 5),
-                                             (False, False, 5)])
+@pytest.mark.parametrize("early,regs,bits,skip", [(False, False, 4, False), (True, False, 4, False),
+                                                  (True, True, 4, False), (True, True, 5, False),
+                                                  (False, False, 5, False), (True, True, 5, True)])
 @pytest.mark.parametrize("chunk", [16, 64, None])
-def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs, bits):
+def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs, bits, skip):
     """Hand-made scores with many exact ties (and statistics of one score program): the fused
     kernel picks exactly what the reference selection picks from the same ranking."""
     from kvlocks.selection import fused
@@ -321,6 +331,7 @@ def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs, bits):
     fw["early_exit"] = early
     fw["merge_in_registers"] = regs
     fw["digit_bits"] = bits
+    fw["rebase_keys"] = skip
     got = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=fw)
     exp = select_pages(sw["ranking"], seq.to(DEV), page_size=S, k=k, backend="torch")
     assert torch.equal(got.cpu(), exp.cpu())

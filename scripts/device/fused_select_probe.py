@@ -8,7 +8,8 @@ For each shape, context and batch, on random per-head scores with their per-prog
 - ``fused@CH``: :func:`kvlocks.selection.fused.rank_and_select` at several pages per program
   (``default`` = :func:`default_fused_chunk`), each also with the radix passes stopped early
   (``+early``, ``--early``), with the merge's passes on one register tile (``+regs``,
-  ``--regs``) and with 5-bit radix digits (``+bits5``, ``--bits 4,5``),
+  ``--regs``), with 5-bit radix digits (``+bits5``, ``--bits 4,5``) and with the passes over
+  rebased keys (``+rebase``, ``--rebase``),
 
 each as a CUDA graph of ``--reps`` launches (median of 7 replays; inputs stay in L2, as they do
 in the decode step, where the score kernel has just written them), and checks that every fused
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--regs", default="off", choices=("off", "on", "both"),
                     help="the merge's radix passes on one register tile (MERGE_IN_REGISTERS): off, on, or both")
     ap.add_argument("--bits", default="4", help="radix digit widths to try in the fused variants, e.g. 4,5")
+    ap.add_argument("--rebase", default="off", choices=("off", "on", "both"),
+                    help="radix passes over rebased keys (REBASE_KEYS): off, on, or both")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -89,17 +92,20 @@ def main() -> None:
                          "us": _time(unfused, n_graph=args.reps)}]
                 seen = set()
                 flags = {"off": (False,), "on": (True,), "both": (False, True)}
-                for ch, ee, rg, bits in [(c, e, r, int(b)) for c in args.chunks.split(",") for e in flags[args.early]
-                                         for r in flags[args.regs] for b in args.bits.split(",")]:
+                for ch, ee, rg, bits, rb in [(c, e, r, int(b), x) for c in args.chunks.split(",")
+                                             for e in flags[args.early] for r in flags[args.regs]
+                                             for b in args.bits.split(",") for x in flags[args.rebase]]:
                     chunk = default_fused_chunk(pages) if ch == "default" else int(ch)
                     fw = fused_workspace(bsz, hkv, pages, args.k, dev, chunk=chunk)
                     fw["early_exit"] = ee
                     fw["merge_in_registers"] = rg
                     fw["digit_bits"] = bits
-                    if (fw["chunk"], ee, rg, bits) in seen:
+                    fw["rebase_keys"] = rb
+                    if (fw["chunk"], ee, rg, bits, rb) in seen:
                         continue
-                    seen.add((fw["chunk"], ee, rg, bits))
-                    ch = ch + ("+early" if ee else "") + ("+regs" if rg else "") + ("+bits5" if bits == 5 else "")
+                    seen.add((fw["chunk"], ee, rg, bits, rb))
+                    ch = ch + ("+early" if ee else "") + ("+regs" if rg else "") + ("+bits5" if bits == 5 else "") \
+                        + ("+rebase" if rb else "")
 
                     def fused(fw=fw):
                         return rank_and_select(sw, seq, workspace=fw, **sel)

@@ -7,7 +7,8 @@ early-stopping radix passes, the merge on registers and 5-bit digits, by setting
 ``DIGIT_BITS``, with the CUDA score kernel's static or balanced page split
 (``scoring.cuda_mma.BALANCED``) and its 5- or 6-blocks-per-SM variant (``MIN_BLOCKS``), and with or
 without the incremental-build launches on steps that fill no page (``engine.graph.SKIP_IDLE_BUILDS``),
-and with each layer's q/k/v projections as one product (``engine.step.FUSE_QKV``).
+with each layer's q/k/v projections as one product (``engine.step.FUSE_QKV``), and with the
+radix passes over rebased keys (``selection.triton.REBASE_KEYS``).
 Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs (median, mean).
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
@@ -29,13 +30,15 @@ from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.selection.triton", True),
             "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
-            "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", False)}
+            "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", False),
+            "REBASE_KEYS": ("kvlocks.selection.triton", False)}
 OLD_SELECT = {"MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
          "fused_noearly": {**OLD_SELECT, "EARLY_EXIT": False}, "fused_regs": {"DIGIT_BITS": 4},
          "fused_bits5": {"MERGE_IN_REGISTERS": False}, "fused_regs_bits5": {"SKIP_IDLE_BUILDS": False}, "balanced": {"BALANCED": True},
          "six": {"MIN_BLOCKS": 6}, "six_balanced": {"MIN_BLOCKS": 6, "BALANCED": True},
-         "skip_idle_builds": {}, "fused_qkv": {"FUSE_QKV": True}}
+         "skip_idle_builds": {}, "fused_qkv": {"FUSE_QKV": True},
+         "rebase_keys": {"REBASE_KEYS": True}}
 
 
 def apply(mode: str) -> None:

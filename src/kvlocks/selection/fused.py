@@ -91,7 +91,7 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
                         GP: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
                         KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
                         HAS_SS: tl.constexpr, GU: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr,
-                        BITS: tl.constexpr):
+                        BITS: tl.constexpr, REBASE: tl.constexpr = False):
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -114,13 +114,13 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
     valid = (offs < limit) & ~forced
     need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
     chunk_winners(_orderkey(tl.where(valid, rank, 0.0)), valid, offs, need, (row * n_chunks + c).to(tl.int64),
-                  ckey_ptr, cidx_ptr, ccnt_ptr, M, EARLY, BITS)
+                  ckey_ptr, cidx_ptr, ccnt_ptr, M, EARLY, BITS, REBASE)
     tl.debug_barrier()  # every thread's winners are written before the ticket is taken
     ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
     if ticket == n_chunks - 1:  # the last program of the row to arrive merges it
         tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
         merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK, RECENT, M, TILE, KP,
-                  SP, RP, CP, EARLY, REGS, BITS)
+                  SP, RP, CP, EARLY, REGS, BITS, REBASE)
 
 
 def default_fused_chunk(max_pages: int) -> int:

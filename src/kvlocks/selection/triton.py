@@ -36,6 +36,13 @@ EARLY_EXIT = True
 # 8.40 -> 8.32, 32K 7.56 -> 7.49 (select_ab.py --modes fused,fused_regs_bits5, one machine).
 MERGE_IN_REGISTERS = True
 DIGIT_BITS = 5
+# radix passes over keys rebased per program (:func:`_rebased`: minus their minimum, shifted so the
+# highest bit where they differ is bit 31): the first digit splits where the keys differ instead of
+# on the sign and exponent bits they share. Same pages. On synthetic mean-share rankings (65,536
+# pages, chunks of 4,096, k = 126; an emulation of the passes, docs/benchmarks.md) the early-stopping
+# passes per chunk drop from ~4.0 to ~2.8 and the merge's from ~4.2 to ~2.5. Prepared, off until
+# timed on the GPU.
+REBASE_KEYS = False
 
 
 def default_chunk(max_pages: int) -> int:
@@ -130,6 +137,27 @@ def _digit_hist(key, match, shift, dmask, BITS: tl.constexpr):
 
 
 @triton.jit
+def _rebase_params(key, valid):
+    """(lo, shift) of :func:`_rebased` for the valid keys: their minimum, and the left shift that puts
+    the highest bit of (max - min) at bit 31 (from the float32 exponent of max - min, which rounds
+    to nearest: it can only overstate that bit, never understate it, so nothing is shifted out)."""
+    lo = tl.min(tl.where(valid, key, 0xFFFFFFFF), axis=0)
+    hi = tl.max(tl.where(valid, key, 0), axis=0)
+    diff = tl.where(hi > lo, hi - lo, 0)
+    e = ((diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(diff)), or one more
+    shift = tl.where(diff > 0, tl.maximum(31 - e, 0), 0).to(tl.uint32)
+    return lo, shift
+
+
+@triton.jit
+def _rebased(key, valid, lo, shift):
+    """Order-preserving map of the valid keys onto the full 32 bits: ``(key - lo) << shift`` (equal keys
+    stay equal); the radix passes' first digit then splits where the keys differ, not on the sign
+    and exponent bits they share. Invalid keys map to 0."""
+    return tl.where(valid, (key - lo) << shift, 0)
+
+
+@triton.jit
 def radix_threshold(key, valid, need, EARLY: tl.constexpr, BITS: tl.constexpr = 4):
     """(prefix, kmask, remaining): the ``need``-th largest valid key's leading digits. Selected are
     the valid keys with ``key & kmask > prefix`` and the first ``remaining`` (by index) with
@@ -152,11 +180,16 @@ def radix_threshold(key, valid, need, EARLY: tl.constexpr, BITS: tl.constexpr = 
 
 @triton.jit
 def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M: tl.constexpr,
-                  EARLY: tl.constexpr = False, BITS: tl.constexpr = 4):
+                  EARLY: tl.constexpr = False, BITS: tl.constexpr = 4, REBASE: tl.constexpr = False):
     """Radix-select the ``need`` largest of ``key`` where ``valid`` (ties to the lower index) and write
-    them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``."""
-    prefix, kmask, remaining = radix_threshold(key, valid, need, EARLY, BITS)
-    km = key & kmask
+    them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``.
+    With REBASE the passes run on :func:`_rebased` keys (the same order; the original keys are stored)."""
+    rk = key
+    if REBASE:
+        lo, shift = _rebase_params(key, valid)
+        rk = _rebased(key, valid, lo, shift)
+    prefix, kmask, remaining = radix_threshold(rk, valid, need, EARLY, BITS)
+    km = rk & kmask
     is_t = valid & (km == prefix)
     tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
     sel = valid & ((km > prefix) | (is_t & (tie_rank < remaining))) & (tie_rank * 0 < need)
@@ -170,7 +203,7 @@ def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M:
 def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, Hkv,
                   n_chunks, S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
                   CH: tl.constexpr, M: tl.constexpr, HAS_SS: tl.constexpr, EARLY: tl.constexpr,
-                  BITS: tl.constexpr):
+                  BITS: tl.constexpr, REBASE: tl.constexpr = False):
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -187,7 +220,7 @@ def _chunk_kernel(rank_ptr, stride_rb, stride_rh, seqlen_ptr, ss_ptr, ckey_ptr, 
     x = tl.load(rank_ptr + b.to(tl.int64) * stride_rb + h * stride_rh + offs, mask=valid, other=0.0)
     need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
     chunk_winners(_orderkey(x), valid, offs, need, (row * n_chunks + c).to(tl.int64), ckey_ptr, cidx_ptr, ccnt_ptr, M,
-                  EARLY, BITS)
+                  EARLY, BITS, REBASE)
 
 
 @triton.jit
@@ -208,7 +241,7 @@ def _merge_hist(ckey_ptr, ccnt_ptr, row, base, n_chunks, n_flat, kmask, prefix, 
 def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl.constexpr, K: tl.constexpr,
               SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
               SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr, EARLY: tl.constexpr = False,
-              REGS: tl.constexpr = False, BITS: tl.constexpr = 4):
+              REGS: tl.constexpr = False, BITS: tl.constexpr = 4, REBASE: tl.constexpr = False):
     """Stage 2 for one row: the top ``K - forced`` of all chunks' winners, and the forced pages, in
     ascending page order into ``out_ptr[row]``. Loads bypass L1 (``.cg``): in the fused kernel the
     winners were written by other programs of the same launch. With REGS (every winner fits one
@@ -226,12 +259,17 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
         remaining = tl.maximum(K - f, 1)
         prefix = tl.full([], 0, tl.uint32)
         kmask = tl.full([], 0, tl.uint32)  # no digit fixed: every winner matches
+        lo = tl.full([], 0, tl.uint32)  # with REBASE (register merge only): the keys' _rebased map
+        shift = tl.full([], 0, tl.uint32)
         if REGS:  # one tile holds every winner: one load, then the chunks' register passes
             flat = tl.arange(0, TILE)
             cnt = tl.load(ccnt_ptr + row * n_chunks + flat // M, mask=flat < n_flat, other=0, cache_modifier=".cg")
             valid = (flat % M) < cnt
             key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32,
                                                                                               bitcast=True)
+            if REBASE:
+                lo, shift = _rebase_params(key, valid)
+                key = _rebased(key, valid, lo, shift)
             prefix, kmask, remaining = radix_threshold(key, valid, tl.minimum(remaining, n_win), EARLY, BITS)
         elif n_win <= remaining:  # every winner is selected (one chunk, or few candidates): no radix pass
             remaining = n_win
@@ -260,6 +298,8 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
             key = tl.load(ckey_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg").to(tl.uint32,
                                                                                               bitcast=True)
             idx = tl.load(cidx_ptr + base + flat, mask=valid, other=0, cache_modifier=".cg")
+            if REBASE and REGS:
+                key = _rebased(key, valid, lo, shift)
             km = key & kmask
             is_t = valid & (km == prefix)
             tie_rank = n_ties + tl.cumsum(is_t.to(tl.int32), axis=0) - 1
@@ -278,14 +318,15 @@ def merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S: tl
 def _merge_kernel(seqlen_ptr, ss_ptr, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, Hkv, n_chunks,
                   S: tl.constexpr, K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, M: tl.constexpr,
                   TILE: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
-                  HAS_SS: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr, BITS: tl.constexpr):
+                  HAS_SS: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr, BITS: tl.constexpr,
+                  REBASE: tl.constexpr = False):
     row = tl.program_id(0)
     b = row // Hkv
     ss = 0
     if HAS_SS:
         ss = tl.load(ss_ptr + b)
     merge_row(row, tl.load(seqlen_ptr + b), ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK,
-              RECENT, M, TILE, KP, SP, RP, CP, EARLY, REGS, BITS)
+              RECENT, M, TILE, KP, SP, RP, CP, EARLY, REGS, BITS, REBASE)
 
 
 def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
@@ -310,14 +351,15 @@ def merge_meta(ws: dict, k: int, sink_pages: int, recent_pages: int) -> dict:
     """Compile-time sizes of :func:`merge_row` for a workspace and its radix options: early stop
     (``ws["early_exit"]``, default EARLY_EXIT), merge on registers where one tile holds every
     winner (``ws["merge_in_registers"]``, default MERGE_IN_REGISTERS), digit width
-    (:func:`digit_bits`)."""
+    (:func:`digit_bits`), radix passes over rebased keys (``ws["rebase_keys"]``, default
+    REBASE_KEYS; the chunks' and the register merge's)."""
     m, n_chunks = ws["m"], ws["n_chunks"]
     tile = max(m, min(4096, triton.next_power_of_2(n_chunks * m)))
     return dict(M=m, TILE=tile, KP=triton.next_power_of_2(k),
                 SP=triton.next_power_of_2(max(sink_pages, 1)), RP=triton.next_power_of_2(recent_pages),
                 CP=triton.next_power_of_2(n_chunks), EARLY=bool(ws.get("early_exit", EARLY_EXIT)),
                 REGS=bool(ws.get("merge_in_registers", MERGE_IN_REGISTERS)) and n_chunks * m <= tile,
-                BITS=digit_bits(ws))
+                BITS=digit_bits(ws), REBASE=bool(ws.get("rebase_keys", REBASE_KEYS)))
 
 
 def digit_bits(ws: dict) -> int:
@@ -360,7 +402,7 @@ def select_pages_paged(ranking: torch.Tensor, seq_lens: torch.Tensor, *, page_si
     _chunk_kernel[(n_chunks, rows)](
         ranking, ranking.stride(0), ranking.stride(1), seq_lens, ss, ws["keys"], ws["idx"], ws["count"], hkv,
         n_chunks, CH=ws["chunk"], M=ws["m"], EARLY=bool(ws.get("early_exit", EARLY_EXIT)), BITS=digit_bits(ws),
-        num_warps=8, **meta,
+        REBASE=bool(ws.get("rebase_keys", REBASE_KEYS)), num_warps=8, **meta,
     )
     _merge_kernel[(rows,)](
         seq_lens, ss, ws["keys"], ws["idx"], ws["count"], ws["out"], hkv, n_chunks,
