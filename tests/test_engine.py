@@ -140,11 +140,12 @@ def test_engine_equals_hf_on_random_models_batch_2(kind):
 
 
 
-@pytest.mark.parametrize("kind", ["glm4-9b-1m", "llama3.1-8b"])
-def test_fused_qkv_projection_keeps_the_model_and_the_tokens(kind, monkeypatch):
+@pytest.mark.parametrize("kind,write", [("glm4-9b-1m", False), ("llama3.1-8b", False), ("glm4-9b-1m", True)])
+def test_fused_qkv_projection_keeps_the_model_and_the_tokens(kind, write, monkeypatch):
     """step.FUSE_QKV: each layer's q/k/v weights (and GLM's biases) laid out in one matrix, the
     modules' parameters views of it (no memory added); HF's own greedy tokens are unchanged after
-    fusing, and the engine's (one product, split) equal them, dense and LOCKS."""
+    fusing, and the engine's (one product, split) equal them, dense and LOCKS; also with the K/V
+    writes inside the projection piece (step.KV_WRITE_IN_PIECE)."""
     from kvlocks.engine import step as step_mod
     from kvlocks.engine.fused import fused_qkv
 
@@ -153,6 +154,7 @@ def test_fused_qkv_projection_keeps_the_model_and_the_tokens(kind, monkeypatch):
     hf = _hf_greedy(model, ids, 20)
     params = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(step_mod, "FUSE_QKV", True)
+    monkeypatch.setattr(step_mod, "KV_WRITE_IN_PIECE", write)
     for method in ("dense", "locks"):
         eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=1024), batch=2,
                                                max_context=128))
@@ -212,16 +214,18 @@ def test_engine_with_cuda_score_kernel_equals_triton_score_kernel(monkeypatch):
     assert torch.allclose(out["cuda"][1], out["packed"][1], atol=1e-3 * float(out["packed"][1].abs().max()))
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_compiled_step_equals_eager_and_compiles_once_for_all_layers(fuse, monkeypatch):
+@pytest.mark.parametrize("fuse,write", [(False, False), (True, False), (True, True)])
+def test_compiled_step_equals_eager_and_compiles_once_for_all_layers(fuse, write, monkeypatch):
     """torch.compile of the per-layer pieces: the same tokens and logits as the eager step, and one
     graph per piece serves every layer (parameters are graph inputs, not constants), also with the
-    fused q/k/v weights (step.FUSE_QKV) as inputs."""
+    fused q/k/v weights (step.FUSE_QKV) as inputs and with the K/V writes inside the projection
+    piece (step.KV_WRITE_IN_PIECE: each layer's cache rows are inputs too)."""
     from torch._dynamo.utils import counters
 
     from kvlocks.engine import step as step_mod
 
     monkeypatch.setattr(step_mod, "FUSE_QKV", fuse)
+    monkeypatch.setattr(step_mod, "KV_WRITE_IN_PIECE", write)
 
     model = _tiny("glm4-9b-1m", seed=4, num_hidden_layers=3)
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))

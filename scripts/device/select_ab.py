@@ -8,7 +8,8 @@ early-stopping radix passes, the merge on registers and 5-bit digits, by setting
 (``scoring.cuda_mma.BALANCED``) and its 5- or 6-blocks-per-SM variant (``MIN_BLOCKS``), and with or
 without the incremental-build launches on steps that fill no page (``engine.graph.SKIP_IDLE_BUILDS``),
 with each layer's q/k/v projections as one product (``engine.step.FUSE_QKV``), and with the
-radix passes over rebased keys (``selection.triton.REBASE_KEYS``).
+radix passes over rebased keys (``selection.triton.REBASE_KEYS``), with the K/V writes inside the
+compiled projection piece (``engine.step.KV_WRITE_IN_PIECE``), and all three (``prepared10``).
 Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs (median, mean).
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
@@ -31,14 +32,16 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
             "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", False),
-            "REBASE_KEYS": ("kvlocks.selection.triton", False)}
+            "REBASE_KEYS": ("kvlocks.selection.triton", False),
+            "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", False)}
 OLD_SELECT = {"MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
          "fused_noearly": {**OLD_SELECT, "EARLY_EXIT": False}, "fused_regs": {"DIGIT_BITS": 4},
          "fused_bits5": {"MERGE_IN_REGISTERS": False}, "fused_regs_bits5": {"SKIP_IDLE_BUILDS": False}, "balanced": {"BALANCED": True},
          "six": {"MIN_BLOCKS": 6}, "six_balanced": {"MIN_BLOCKS": 6, "BALANCED": True},
          "skip_idle_builds": {}, "fused_qkv": {"FUSE_QKV": True},
-         "rebase_keys": {"REBASE_KEYS": True}}
+         "rebase_keys": {"REBASE_KEYS": True}, "kv_write": {"KV_WRITE_IN_PIECE": True},
+         "prepared10": {"FUSE_QKV": True, "REBASE_KEYS": True, "KV_WRITE_IN_PIECE": True}}
 
 
 def apply(mode: str) -> None:

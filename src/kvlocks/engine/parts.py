@@ -117,6 +117,17 @@ def project_qkv(parts: ModelParts, layer, x: torch.Tensor, cos: torch.Tensor, si
     return q, k, v
 
 
+def project_and_write(parts: ModelParts, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv,
+                      k_flat: torch.Tensor, v_flat: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """:func:`project_qkv` for one new token per sequence (``x [B, 1, H]``), its key and value written
+    to rows ``slot [B]`` of the flattened caches ``k_flat``/``v_flat [rows, Hkv, D]``; returns q
+    ``[B, Hq, D]`` (contiguous). Compiled, the writes join the projection's own kernels."""
+    q, k, v = project_qkv(parts, layer, x, cos, sin, qkv)
+    k_flat.index_copy_(0, slot, k[:, :, 0])
+    v_flat.index_copy_(0, slot, v[:, :, 0])
+    return q[:, :, 0].contiguous()
+
+
 def finish_layer(layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Residual adds around ``o_proj`` and the MLP: ``x [B, L, H]``, attn_out ``[B, L, Hq * D]``."""
     x = x + layer.self_attn.o_proj(attn_out)

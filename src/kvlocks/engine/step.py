@@ -24,12 +24,17 @@ import torch
 from kvlocks.engine.attention import make_attention
 from kvlocks.engine.cache import StaticPagedCache
 from kvlocks.engine.fused import fused_qkv
-from kvlocks.engine.parts import ModelParts, finish_layer, project_qkv
+from kvlocks.engine.parts import ModelParts, finish_layer, project_and_write, project_qkv
 
 # Each layer's q/k/v projections as one product over the three weights laid out in one matrix
 # (kvlocks.engine.fused: the modules' parameters become views of it, no memory added): two fewer
 # launches per layer. Off until timed on a GPU (scripts/device/select_ab.py --modes ...,fused_qkv).
 FUSE_QKV = False
+# The new token's K/V written inside the compiled projection piece (parts.project_and_write) instead
+# of by two index_copy_ launches per layer after it (session 5's profile, GLM-4-9B at 1M: 80 launches,
+# 0.18 ms per step for 1 KB each; Inductor writes them in place from the RoPE kernel, checked on the
+# CPU). Off until timed on a GPU (select_ab.py --modes ...,kv_write).
+KV_WRITE_IN_PIECE = False
 
 
 class DecodeStep:
@@ -47,7 +52,9 @@ class DecodeStep:
     def __init__(self, parts: ModelParts, cache: StaticPagedCache, *, method: str, backend: str,
                  compile: bool = False) -> None:
         self.parts, self.cache, self.backend, self.compiled = parts, cache, backend, compile
-        self._qkv = torch.compile(project_qkv, dynamic=False) if compile else project_qkv
+        self._write_in_piece = KV_WRITE_IN_PIECE
+        piece = project_and_write if self._write_in_piece else project_qkv
+        self._qkv = torch.compile(piece, dynamic=False) if compile else piece
         self._finish = torch.compile(finish_layer, dynamic=False) if compile else finish_layer
         self._fused = [fused_qkv(layer.self_attn)[:2] for layer in parts.layers] if FUSE_QKV else None
         dev = cache.k.device
@@ -81,10 +88,14 @@ class DecodeStep:
         hq, d = p.num_q_heads, p.head_dim
         for li, layer in enumerate(p.layers):
             qkv = self._fused[li] if self._fused is not None else None
-            q, k, v = self._qkv(p, layer, x, cos, sin, qkv)  # [B, Hq, 1, D], [B, Hkv, 1, D]
-            self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
-            self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
-            out = self.attn.run(li, q[:, :, 0].contiguous(), self.lens_next, build=build)  # [B, Hq, D]
+            if self._write_in_piece:
+                q = self._qkv(p, layer, x, cos, sin, qkv, self._k_flat[li], self._v_flat[li], slot)  # [B, Hq, D]
+            else:
+                q, k, v = self._qkv(p, layer, x, cos, sin, qkv)  # [B, Hq, 1, D], [B, Hkv, 1, D]
+                self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
+                self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
+                q = q[:, :, 0].contiguous()
+            out = self.attn.run(li, q, self.lens_next, build=build)  # [B, Hq, D]
             x = self._finish(layer, x, out.reshape(bsz, 1, hq * d))
         logits = p.lm_head(p.norm(x))[:, 0]  # [B, V]
         torch.argmax(logits, dim=-1, out=self.tokens)
