@@ -35,6 +35,10 @@ FUSE_QKV = False
 # 0.18 ms per step for 1 KB each; Inductor writes them in place from the RoPE kernel, checked on the
 # CPU). Off until timed on a GPU (select_ab.py --modes ...,kv_write).
 KV_WRITE_IN_PIECE = False
+# torch.compile mode of the two pieces: None (default) or "max-autotune-no-cudagraphs", which lets
+# Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
+# stays ours). Untimed so far (select_ab.py --modes ...,max_autotune).
+COMPILE_MODE = None
 
 
 class DecodeStep:
@@ -54,8 +58,8 @@ class DecodeStep:
         self.parts, self.cache, self.backend, self.compiled = parts, cache, backend, compile
         self._write_in_piece = KV_WRITE_IN_PIECE
         piece = project_and_write if self._write_in_piece else project_qkv
-        self._qkv = torch.compile(piece, dynamic=False) if compile else piece
-        self._finish = torch.compile(finish_layer, dynamic=False) if compile else finish_layer
+        self._qkv = torch.compile(piece, dynamic=False, mode=COMPILE_MODE) if compile else piece
+        self._finish = torch.compile(finish_layer, dynamic=False, mode=COMPILE_MODE) if compile else finish_layer
         self._fused = [fused_qkv(layer.self_attn)[:2] for layer in parts.layers] if FUSE_QKV else None
         dev = cache.k.device
         self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)  # [B] next input token
