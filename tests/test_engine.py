@@ -169,6 +169,10 @@ def test_fused_qkv_projection_keeps_the_model_and_the_tokens(kind, write, monkey
         assert (mod.bias is not None) == (bias is not None) == (kind == "glm4-9b-1m")
     assert sum(p.numel() for p in model.parameters()) == params
     assert torch.equal(_hf_greedy(model, ids, 20), hf)
+    # a parameter replaced (as model.to() does): the stale matrix is not reused
+    attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach() * 2)
+    weight2, _, _ = fused_qkv(attn)
+    assert weight2 is not weight and torch.equal(weight2[sizes[0]: sizes[0] + sizes[1]], attn.k_proj.weight)
 
 
 def test_fused_qkv_refuses_layers_it_cannot_fuse():

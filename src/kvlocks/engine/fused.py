@@ -20,14 +20,22 @@ def _plain_linear(mod) -> bool:
     return type(mod) is torch.nn.Linear
 
 
+def _still_views(mods, weight: torch.Tensor) -> bool:
+    """Do the modules' weights still live in ``weight``'s storage? (Not after ``model.to(...)`` or a
+    reassigned parameter: then the fused matrix is stale and is made again.)"""
+    ptr = weight.untyped_storage().data_ptr()
+    return all(m is not None and _plain_linear(m) and m.weight.untyped_storage().data_ptr() == ptr for m in mods)
+
+
 def fused_qkv(attn) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int, int]]:
     """``(W_qkv, b_qkv, sizes)`` of an attention module with ``q_proj``/``k_proj``/``v_proj``,
-    made once (later calls return the same tensors). ValueError when the three are not plain
+    made once (later calls return the same tensors while the modules' weights are still views of
+    them; in-place updates such as ``load_state_dict`` keep them so). ValueError when the three are not plain
     ``nn.Linear`` layers of one dtype and device with the same input size, biased alike."""
-    done = getattr(attn, _ATTR, None)
-    if done is not None:
-        return done
     mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    done = getattr(attn, _ATTR, None)
+    if done is not None and _still_views(mods, done[0]):
+        return done
     if not all(m is not None and _plain_linear(m) for m in mods):
         raise ValueError(f"{type(attn).__name__}: q/k/v must be plain torch.nn.Linear layers to fuse them")
     ws = [m.weight for m in mods]
