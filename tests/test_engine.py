@@ -288,6 +288,24 @@ def test_cuda_graph_replay_equals_eager_steps(skip_idle, monkeypatch):
         assert sorted(engines[1].runner.graphs) == expect, method
 
 
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_auto_switch_mid_decode_with_cuda_graphs():
+    """method="auto" on the GPU: a graph-replayed dense decode switches to LOCKS (bulk build, then
+    LOCKS's graph captured) at the threshold; the tokens equal the eager engine's doing the same,
+    and at a budget covering the context, the dense engine's."""
+    model = _tiny("llama3.1-8b", seed=3).to("cuda")
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    cfg = dict(batch=2, max_context=400)
+    out = {}
+    for name, method, budget, graph in (("auto_graph", "auto", 64, True), ("auto_eager", "auto", 64, False),
+                                        ("auto_full", "auto", 400, True), ("dense", "dense", 400, True)):
+        eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=budget), cuda_graph=graph,
+                                               auto_min_context=320, **cfg))
+        out[name] = eng.generate(ids, max_new_tokens=40)
+        assert eng.method == ("locks" if method == "auto" else "dense"), name
+    assert torch.equal(out["auto_graph"], out["auto_eager"])
+    assert torch.equal(out["auto_full"], out["dense"])
+
 # ---- the static cache, random fill, the benchmark rows ----
 
 def test_static_cache_bytes_views_and_random_fill():

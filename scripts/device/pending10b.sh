@@ -17,7 +17,8 @@ out=${1:?output folder}
 export PATH=/usr/local/cuda/bin:$PATH
 KVLOCKS_TEST_TIMEOUT=120 bash scripts/device/gpu_tests.sh "$out/tests" 4 tests/test_kernels.py::test_select_matches_reference \
     tests/test_kernels.py::test_rank_and_select_matches_reference \
-    tests/test_kernels.py::test_rank_and_select_breaks_ties_by_page_index | tail -3
+    tests/test_kernels.py::test_rank_and_select_breaks_ties_by_page_index \
+    tests/test_engine.py::test_auto_switch_mid_decode_with_cuda_graphs | tail -3
 export PYTHONPATH=$PWD/src
 timeout 230 python scripts/device/select_ab.py --modes skip_idle_builds,fused_qkv,rebase_keys,kv_write,prepared10 --contexts 1048576,32768 \
     --out "$out/ab_qkv" > "$out/ab_qkv.txt" 2>&1
