@@ -356,11 +356,15 @@ def test_rank_and_select_rejects_bad_arguments():
         fused.rank_and_select(sw, seq, page_size=S, k=4, workspace=bad_bits)
 
 
+@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("lens,g,d,dtype,k", [
     ("a", 1, 64, F32, 2), ("b", 3, 128, BF16, 2), ("c", 4, 64, F16, 3), ("d", 8, 128, BF16, 5),
     ("c", 16, 128, F32, 64),
 ])
-def test_attention_matches_reference(lens, g, d, dtype, k):
+def test_attention_matches_reference(lens, g, d, dtype, k, fused_merge, monkeypatch):
+    """Split-KV decode over page lists and over every page, against the references; also with the
+    merge done by each row's last split (MERGE_IN_KERNEL), whose counters end at zero."""
+    monkeypatch.setattr(attn_tri, "MERGE_IN_KERNEL", fused_merge)
     q, kc, vc, table, seq = make_paged(LENS[lens], 2, g, d, dtype, seed=k)
     gen = torch.Generator().manual_seed(1)
     bsz, hkv = len(seq), 2
@@ -384,6 +388,12 @@ def test_attention_matches_reference(lens, g, d, dtype, k):
         o, lse = attn_ref.dense_decode(q[b].view(hkv, g, d), keys, vals)
         assert torch.allclose(got[0][b].float(), o.reshape(-1, d).float(), atol=tol, rtol=tol)
         assert torch.allclose(got[1][b], lse.reshape(-1), atol=1e-3)
+    ws = attn_tri.attention_workspace(bsz, hkv * g, d, pl.shape[-1], bsz * hkv, q.dtype, DEV, num_splits=2)
+    first = [t.clone() for t in attn_tri.paged_decode(q, kc, vc, table, seq, pl, workspace=ws)]
+    assert int(ws["done"].abs().sum()) == 0  # counters reset by each row's merging program
+    again = attn_tri.paged_decode(q, kc, vc, table, seq, pl, workspace=ws)
+    assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    assert torch.allclose(first[0].float(), exp[0].float(), atol=tol, rtol=tol)
 
 
 def test_attention_adapters_same_signature():

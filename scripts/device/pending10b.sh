@@ -6,7 +6,8 @@
 #   against the defaults, LOCKS, batch 1, at 1M and 32K (select_ab.py, same machine), and the
 #   radix passes over rebased keys (selection.triton.REBASE_KEYS: ~30% fewer passes in an
 #   emulation, docs/results/radix_passes.json), end to end and alone (fused_select_probe.py), and
-#   the K/V writes inside the compiled projection piece (engine.step.KV_WRITE_IN_PIECE), and all three;
+#   the K/V writes inside the compiled projection piece (engine.step.KV_WRITE_IN_PIECE), the
+#   attention's split merge in its own kernel (attention.triton.MERGE_IN_KERNEL), and all four;
 # - TTFT with the new measurement (the median of 3 real prefills of each method, dense and
 #   LOCKS's alternating: session 9's single runs showed an order effect) and the short-context
 #   rows with the idle build launches skipped (on since session 10), 16K-64K.
@@ -18,12 +19,13 @@ export PATH=/usr/local/cuda/bin:$PATH
 KVLOCKS_TEST_TIMEOUT=120 bash scripts/device/gpu_tests.sh "$out/tests" 4 tests/test_kernels.py::test_select_matches_reference \
     tests/test_kernels.py::test_rank_and_select_matches_reference \
     tests/test_kernels.py::test_rank_and_select_breaks_ties_by_page_index \
-    tests/test_engine.py::test_auto_switch_mid_decode_with_cuda_graphs | tail -3
+    tests/test_engine.py::test_auto_switch_mid_decode_with_cuda_graphs tests/test_kernels.py::test_attention_matches_reference \
+    | tail -3
 export PYTHONPATH=$PWD/src
-timeout 230 python scripts/device/select_ab.py --modes skip_idle_builds,fused_qkv,rebase_keys,kv_write,prepared10 --contexts 1048576,32768 \
+timeout 230 python scripts/device/select_ab.py --modes skip_idle_builds,fused_qkv,rebase_keys,kv_write,merge_in_kernel,prepared10 --contexts 1048576,32768 \
     --out "$out/ab_qkv" > "$out/ab_qkv.txt" 2>&1
 echo "e2e A/B exit $?"
-grep -E "^(skip|fused|rebase|kv_write|prepared)" "$out/ab_qkv.txt"
+grep -E "^(skip|fused|rebase|kv_write|merge|prepared)" "$out/ab_qkv.txt"
 timeout 80 python scripts/device/fused_select_probe.py --out "$out/select_rebase.jsonl" --chunks default \
     --contexts 65536,262144,1048576 --batches 1 --early on --regs on --bits 5 --rebase both > /dev/null 2>&1
 echo "select probe exit $?"

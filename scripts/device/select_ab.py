@@ -9,7 +9,8 @@ early-stopping radix passes, the merge on registers and 5-bit digits, by setting
 without the incremental-build launches on steps that fill no page (``engine.graph.SKIP_IDLE_BUILDS``),
 with each layer's q/k/v projections as one product (``engine.step.FUSE_QKV``), and with the
 radix passes over rebased keys (``selection.triton.REBASE_KEYS``), with the K/V writes inside the
-compiled projection piece (``engine.step.KV_WRITE_IN_PIECE``), all three (``prepared10``), and
+compiled projection piece (``engine.step.KV_WRITE_IN_PIECE``), with the attention's split merge
+done by each row's last split (``attention.triton.MERGE_IN_KERNEL``), all four (``prepared10``), and
 with Inductor's max-autotune for the compiled pieces (``engine.step.COMPILE_MODE``).
 Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs (median, mean).
 
@@ -34,7 +35,8 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
             "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", False),
             "REBASE_KEYS": ("kvlocks.selection.triton", False),
-            "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", False), "COMPILE_MODE": ("kvlocks.engine.step", None)}
+            "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", False), "COMPILE_MODE": ("kvlocks.engine.step", None),
+            "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False)}
 OLD_SELECT = {"MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
          "fused_noearly": {**OLD_SELECT, "EARLY_EXIT": False}, "fused_regs": {"DIGIT_BITS": 4},
@@ -42,7 +44,8 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "six": {"MIN_BLOCKS": 6}, "six_balanced": {"MIN_BLOCKS": 6, "BALANCED": True},
          "skip_idle_builds": {}, "fused_qkv": {"FUSE_QKV": True},
          "rebase_keys": {"REBASE_KEYS": True}, "kv_write": {"KV_WRITE_IN_PIECE": True},
-         "prepared10": {"FUSE_QKV": True, "REBASE_KEYS": True, "KV_WRITE_IN_PIECE": True},
+         "merge_in_kernel": {"MERGE_IN_KERNEL": True},
+         "prepared10": {"FUSE_QKV": True, "REBASE_KEYS": True, "KV_WRITE_IN_PIECE": True, "MERGE_IN_KERNEL": True},
          "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"}}
 
 

@@ -5,7 +5,7 @@
 ``PPI`` pages (``PPI * S`` tokens) at a time, translates logical page ids through the block table,
 masks tokens past ``seq_lens`` (the partial last page) and ids of -1 (list padding), and keeps an
 online softmax in float32 (exp2 domain). ``_merge_kernel``, grid ``(B * Hq,)``, combines the
-splits by log-sum-exp. The dense split-KV baseline is the same kernel over the identity page list
+splits by log-sum-exp; with ``MERGE_IN_KERNEL`` the last split of each row to finish does it. The dense split-KV baseline is the same kernel over the identity page list
 (a stride-0 ``arange``), so the two differ only in which pages they read.
 """
 
@@ -25,13 +25,19 @@ LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)
 _LOG2E = tl.constexpr(LOG2E)
 PPI = 4  # pages per inner step: 64 tokens at S=16, a [16, 64] x [64, D] dot per step
+# the merge of the splits done by each row's last split to finish (an arrival counter per row, as
+# in kvlocks.selection.fused) instead of a second launch: one launch fewer per layer for LOCKS and
+# dense alike (session 5's profile: the merge launch ~4 us per layer for LOCKS's 128 pages, ~10 us
+# for dense at 1M). Workspace key "merge_in_kernel". Prepared, off until timed on the GPU.
+MERGE_IN_KERNEL = False
 
 
 @triton.jit
 def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, bt_ptr, stride_bt,
                  seqlen_ptr, pl_ptr, stride_lb, stride_lh, n_list, po_ptr, plse_ptr, Hkv, G, n_splits,
-                 pages_per_split, qk_scale, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PP: tl.constexpr,
-                 DOT_DT: tl.constexpr, PRECISION: tl.constexpr):
+                 pages_per_split, qk_scale, done_ptr, out_ptr, stride_ob, stride_oh, lse_ptr,
+                 GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PP: tl.constexpr,
+                 DOT_DT: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr = False):
     split = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -78,6 +84,42 @@ def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks
     r = (b * Hkv * G + h * G + g).to(tl.int64) * n_splits + split  # [GP] partial-row index
     tl.store(po_ptr + r[:, None] * D + d[None, :], out, mask=gmask[:, None])
     tl.store(plse_ptr + r, lse2, mask=gmask)
+    if MERGE:  # the row's last split to finish merges the row (no second launch)
+        tl.debug_barrier()  # every thread's partials are written before the ticket is taken
+        ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:
+            tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
+            _merge_rows(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, b, h * G + g, gmask,
+                        (b * Hkv * G + h * G + g).to(tl.int64) * n_splits, n_splits, Hkv * G, D)
+
+
+@triton.jit
+def _merge_rows(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, b, heads, hmask, first, n_splits, Hq,
+                D: tl.constexpr):
+    """Log-sum-exp merge of ``n_splits`` partials for query heads ``heads [GP]`` of sequence ``b``
+    (partials of head i at rows ``first[i] ..``), one split at a time; loads bypass L1 (``.cg``):
+    other programs of the launch wrote them."""
+    d = tl.arange(0, D)
+    m_all = tl.full(heads.shape, float("-inf"), tl.float32)
+    l_all = tl.zeros(heads.shape, tl.float32)
+    acc = tl.zeros([heads.shape[0], D], tl.float32)
+    for sp in range(0, n_splits):
+        ls = tl.load(plse_ptr + first + sp, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(po_ptr + (first + sp)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m_all, ls)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(ls - m_safe)
+        alpha = tl.exp2(m_all - m_safe)
+        l_all = l_all * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m_all = m_new
+    has = l_all > 0.0
+    out = acc / tl.where(has, l_all, 1.0)[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    lse = tl.where(has, (m_all + tl.log2(tl.where(has, l_all, 1.0))) * _LN2, float("-inf"))
+    tl.store(lse_ptr + b.to(tl.int64) * Hq + heads, lse, mask=hmask)
 
 
 @triton.jit
@@ -123,6 +165,7 @@ def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: i
         "plse": torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device),
         "out": torch.empty(batch, num_q_heads, head_dim, dtype=dtype, device=device),
         "lse": torch.empty(batch, num_q_heads, dtype=torch.float32, device=device),
+        "done": torch.zeros(rows, dtype=torch.int32, device=device),  # per-row arrival counters (MERGE_IN_KERNEL)
     }
 
 
@@ -152,17 +195,22 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     ws = workspace or attention_workspace(bsz, hq, d, n_list, bsz * hkv, queries.dtype, queries.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dt = dot_dtype(k_cache.dtype)
+    out, lse = ws["out"], ws["lse"]
+    fused = bool(ws.get("merge_in_kernel", MERGE_IN_KERNEL))
+    if fused and ws["done"].numel() < bsz * hkv:
+        raise ValueError(f"workspace has {ws['done'].numel()} row counters, the launch needs {bsz * hkv} (B * Hkv)")
     _attn_kernel[(ws["splits"], bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_table, block_table.stride(0), seq_lens, page_list, page_list.stride(0),
         page_list.stride(1), n_list, ws["po"], ws["plse"], hkv, g, ws["splits"], ws["pps"], scale * LOG2E,
+        ws["done"], out, out.stride(0), out.stride(1), lse,
         GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=ws.get("ppi", PPI), DOT_DT=dt,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", MERGE=fused,
         **ws.get("launch", {"num_warps": 4, "num_stages": 3}),
     )
-    out, lse = ws["out"], ws["lse"]
-    _merge_kernel[(bsz * hq,)](ws["po"], ws["plse"], out, out.stride(0), out.stride(1), lse, hq, ws["splits"],
-                               D=d, BLOCK_S=32, num_warps=4)
+    if not fused:
+        _merge_kernel[(bsz * hq,)](ws["po"], ws["plse"], out, out.stride(0), out.stride(1), lse, hq, ws["splits"],
+                                   D=d, BLOCK_S=32, num_warps=4)
     return out, lse
 
 
