@@ -120,18 +120,19 @@ def _jacobi_gathers(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def _tracked_step(a, diag, t, ii, BP: tl.constexpr, S: tl.constexpr):
-    """One step's rotations with the diagonal tracked in closed form (a_pp -= t a_pq, a_qq += t a_pq):
-    a_pq from one masked reduction plus a gather of an ``[BP, S]`` vector (the same value for both
-    indices of a pair). Returns (partner, partner mask, c, partner weight, new diagonal)."""
-    part, pm = _pairs(t, ii, S)
+def _tracked_step(a, diag, part, ii, BP: tl.constexpr, S: tl.constexpr):
+    """One step's rotations for the pairs (i, part[i]) with the diagonal tracked in closed form
+    (a_pp -= t a_pq, a_qq += t a_pq): a_pq from one masked reduction plus a gather of an ``[BP, S]``
+    vector (the same value for both indices of a pair). Returns (partner mask, c, partner weight,
+    new diagonal)."""
+    pm = (ii[None, :] == part[:, None]).to(tl.float32)
     x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
     pidx = tl.broadcast_to(part[None, :], (BP, S))
     apq = 0.5 * (x + tl.gather(x, pidx, 1))
     dpart = tl.gather(diag, pidx, 1)
     is_p = (ii < part)[None, :]
     tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
-    return part, pm, c, sg, diag + tl.where(is_p, -tt, tt) * apq
+    return pm, c, sg, diag + tl.where(is_p, -tt, tt) * apq
 
 
 @triton.jit
@@ -142,7 +143,8 @@ def _jacobi_lean(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
     diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
     for _sweep in range(n_sweeps):
         for t in range(S - 1):
-            part, pm, c, sg, diag = _tracked_step(a, diag, t, ii, BP, S)
+            part, _ = _pairs(t, ii, S)
+            _, c, sg, diag = _tracked_step(a, diag, part, ii, BP, S)
             a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
     return a, v, diag
 
@@ -150,15 +152,9 @@ def _jacobi_lean(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
 @triton.jit
 def _xor_step(a, v, diag, part, ii, BP: tl.constexpr, S: tl.constexpr):
     """One step of :func:`_jacobi_xor` for the pairs (i, part[i])."""
-    pm = (ii[None, :] == part[:, None]).to(tl.float32)
-    x = tl.sum(a * pm[None, :, :], axis=2)  # a[i, partner(i)]
-    pidx = tl.broadcast_to(part[None, :], (BP, S))
-    apq = 0.5 * (x + tl.gather(x, pidx, 1))
-    dpart = tl.gather(diag, pidx, 1)
-    is_p = (ii < part)[None, :]
-    tt, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
+    _, c, sg, diag = _tracked_step(a, diag, part, ii, BP, S)
     a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
-    return a, v, diag + tl.where(is_p, -tt, tt) * apq
+    return a, v, diag
 
 
 @triton.jit
@@ -188,7 +184,8 @@ def _jacobi_dots(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, PRECISI
     diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
     for _sweep in range(n_sweeps):
         for t in range(S - 1):
-            _, pm, c, sg, diag = _tracked_step(a, diag, t, ii, BP, S)
+            part, _ = _pairs(t, ii, S)
+            pm, c, sg, diag = _tracked_step(a, diag, part, ii, BP, S)
             # J[k, j] = c_j (k == j) + sg_j (k == partner(j));  J^T[j, k] likewise by rows
             jm = c[:, None, :] * eye[None, :, :] + sg[:, None, :] * tl.trans(pm)[None, :, :]
             jt = c[:, :, None] * eye[None, :, :] + sg[:, :, None] * pm[None, :, :]
