@@ -1,9 +1,11 @@
-"""The selection kernels compile for the H200 (sm_90) without a GPU.
+"""The selection, summary-build and attention kernels compile for the H200 (sm_90) without a GPU.
 
 The CPU tests run the kernels in the Triton interpreter, which does not lower them; code that is
 right in the interpreter can still fail to compile (loop-carried types, casts, layouts). Triton
 compiles ahead of time for a named target with its bundled ptxas, so this checks the compiled path
-of every variant of the selection kernels (the early-stopping radix passes, the register merge and 5-bit digits included) on CI.
+of every variant of the selection kernels (the early-stopping radix passes, the register merge,
+5-bit digits and rebased keys included), of the build kernel's options (rotations, the dots finish,
+a register cap) and of the attention kernel with its in-kernel merge, on CI.
 
 The compile runs in a child process: ``tests/test_kernels.py`` sets ``TRITON_INTERPRET=1`` before
 it imports the kernel modules, which turns their ``@triton.jit`` functions into interpreted ones for
@@ -29,39 +31,87 @@ FUSED_ARGS = {"scores_ptr": "*fp32", "stats_ptr": "*fp32", "n_sc": "i32", "seqle
               "max_pages": "i32", "n_chunks": "i32"}
 
 
-def _compile(fn, args: dict, consts: dict, num_warps: int):
+BUILD_ARGS = {"k_ptr": "*bf16", "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "ids_ptr": "*i32",
+              "n_items": "i32", "Hkv": "i32", "bt_ptr": "*i32", "stride_bt": "i32", "basis_ptr": "*u8",
+              "bscale_ptr": "*fp16", "coef_ptr": "*i8", "cscale_ptr": "*fp16", "cen_ptr": "*i8",
+              "censcale_ptr": "*fp16", "eig_ptr": "*fp32", "n_sweeps": "i32", "floor2": "fp32"}
+ATTN_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr": "*bf16", "v_ptr": "*bf16",
+             "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "bt_ptr": "*i32", "stride_bt": "i32",
+             "seqlen_ptr": "*i32", "pl_ptr": "*i32", "stride_lb": "i32", "stride_lh": "i32", "n_list": "i32",
+             "po_ptr": "*fp32", "plse_ptr": "*fp32", "Hkv": "i32", "G": "i32", "n_splits": "i32",
+             "pages_per_split": "i32", "qk_scale": "fp32", "done_ptr": "*i32", "out_ptr": "*bf16", "stride_ob": "i32",
+             "stride_oh": "i32", "lse_ptr": "*fp32"}
+
+
+def _compile(fn, args: dict, consts: dict, num_warps: int, **options):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     src = ASTSource(fn=fn, signature=dict(args, **{name: "constexpr" for name in consts}), constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
 
 
 def main() -> None:
     """Compile every variant; assert on the PTX. Run by the test in a process without the interpreter."""
     from kvlocks.selection import fused, triton as sel
 
-    for early, regs, bits in ((False, False, 4), (True, True, 4), (True, False, 5), (False, True, 5)):
+    for early, regs, bits, rebase in ((False, False, 4, False), (True, True, 4, False), (True, False, 5, True),
+                                      (False, True, 5, False), (True, True, 5, True)):
         chunk = _compile(sel._chunk_kernel, CHUNK_ARGS,
-                         dict(S=16, K=128, SINK=1, RECENT=1, CH=1024, M=128, HAS_SS=False, EARLY=early, BITS=bits), 8)
-        merge = _compile(sel._merge_kernel, MERGE_ARGS, dict(MERGE, EARLY=early, REGS=regs, BITS=bits), 8)
+                         dict(S=16, K=128, SINK=1, RECENT=1, CH=1024, M=128, HAS_SS=False, EARLY=early, BITS=bits,
+                              REBASE=rebase), 8)
+        merge = _compile(sel._merge_kernel, MERGE_ARGS, dict(MERGE, EARLY=early, REGS=regs, BITS=bits, REBASE=rebase),
+                         8)
         for k in (chunk, merge):
             assert len(k.asm["cubin"]) > 1000 and ".target sm_90" in k.asm["ptx"]
-    for early, regs, bits, heads, warps in ((False, False, 4, 8, 16), (True, True, 5, 0, 8)):
+    for early, regs, bits, heads, warps, rebase in ((False, False, 4, 8, 16, False), (True, True, 5, 0, 8, True)):
         k = _compile(fused._rank_select_kernel, FUSED_ARGS,
-                     dict(MERGE, CH=4096, GP=8, RULE=0, BLOCK_K=256, GU=heads, EARLY=early, REGS=regs, BITS=bits),
-                     warps)
+                     dict(MERGE, CH=4096, GP=8, RULE=0, BLOCK_K=256, GU=heads, EARLY=early, REGS=regs, BITS=bits,
+                          REBASE=rebase), warps)
         ptx = k.asm["ptx"]
         assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 1000
         # the per-row arrival counter: one thread's acquire-release GPU-scope atomic after a CTA barrier
         at = ptx.index("atom.global.gpu.acq_rel.add")
         assert "bar.sync" in ptx[max(0, at - 400):at]
         assert "ld.global.cg" in ptx  # the merge reads other programs' winners past L1
+    build_kernels()
+    attention_kernels()
     print("compiled")
 
 
-def test_selection_kernels_compile_for_sm90():
+def build_kernels() -> None:
+    """The summary build's variants: rotations (round-robin lean, XOR in a loop and unrolled), the
+    basis/coefficients finish (per rank, dots), and a capped launch with the volatile reload."""
+    from kvlocks.summary import triton as bt
+
+    base = dict(S=16, D=128, R=8, BP=1, INCREMENTAL=False, WRITE_EIG=False, PRECISION="tf32x3")
+    for rot, finish, cap in ((2, 0, None), (2, 1, 128), (3, 1, None), (4, 1, 144)):
+        options = {"maxnreg": cap} if cap else {}
+        k = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ROT=rot, FINISH=finish, RELOAD_VOLATILE=cap is not None),
+                     1, **options)
+        ptx = k.asm["ptx"]
+        assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 1000
+        assert (f".maxnreg {cap}" in ptx) == (cap is not None)
+        assert ("ld.volatile.global" in ptx) == (cap is not None)  # the reload after the solver
+        assert ("mma.sync" in ptx) or ("wgmma" in ptx)  # the Gram (and with dots the basis) on tensor cores
+
+
+def attention_kernels() -> None:
+    """The split-KV attention with and without the merge done by each row's last split."""
+    import triton.language as tl
+
+    from kvlocks.attention import triton as at
+
+    for merge in (False, True):
+        k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=128, S=16, PP=4, DOT_DT=tl.bfloat16, PRECISION="tf32",
+                                                      MERGE=merge), 4, num_stages=3)
+        ptx = k.asm["ptx"]
+        assert ".target sm_90" in ptx
+        assert ("atom.global.gpu.acq_rel.add" in ptx) == merge and ("ld.global.cg" in ptx) == merge
+
+
+def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
