@@ -22,9 +22,9 @@ KVLOCKS_TEST_TIMEOUT=170 bash scripts/device/gpu_tests.sh "$out/tests" 4 \
     tests/test_kernels.py::test_build_rounding_is_half_to_even_like_torch_round \
     tests/test_kernels.py::test_incremental_build_builds_just_filled_pages | tail -3
 export PYTHONPATH=$PWD/src
-v=lean:1:1:5:loop,lean:1:1:5:dots,lean:1:1:5:dots:144,lean:1:1:5:dots:128,lean:1:1:4:dots:144
-v=$v,xor:1:1:5:dots,xor:1:1:5:dots:144,xor_unrolled:1:1:5:dots,xor_unrolled:1:1:5:dots:144
-v=$v,lean:autocaps:0:5:dots,xor:autocaps:0:5:dots
+# most informative first (rows are appended as they finish; llama3-8b, the shape over 1 s, runs first)
+v=lean:1:1:5:loop,lean:1:1:5:dots,lean:1:1:5:dots:144,lean:1:1:5:dots:128,xor:1:1:5:dots,xor:1:1:5:dots:144
+v=$v,xor_unrolled:1:1:5:dots:144,xor_unrolled:1:1:5:dots,lean:1:1:4:dots:144,lean:autocaps:0:5:dots
 timeout 250 python scripts/device/build_probe.py --variants "$v" --out "$out/build.jsonl" > /dev/null 2> "$out/build.err"
 echo "build probe exit $?"
 python3 - "$out/build.jsonl" <<'PY'
