@@ -28,7 +28,9 @@ PPI = 4  # pages per inner step: 64 tokens at S=16, a [16, 64] x [64, D] dot per
 # the merge of the splits done by each row's last split to finish (an arrival counter per row, as
 # in kvlocks.selection.fused) instead of a second launch: one launch fewer per layer for LOCKS and
 # dense alike (session 5's profile: the merge launch ~4 us per layer for LOCKS's 128 pages, ~10 us
-# for dense at 1M). Workspace key "merge_in_kernel". Prepared, off until timed on the GPU.
+# for dense at 1M). But that program merges the row's G heads over every split alone (4 splits per
+# step), where the merge launch spreads them over B * Hq programs: it can lose where splits are many
+# (dense at long context). Workspace key "merge_in_kernel". Prepared, off until timed on the GPU.
 MERGE_IN_KERNEL = False
 
 
@@ -90,29 +92,33 @@ def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks
         if ticket == n_splits - 1:
             tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
             _merge_rows(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, b, h * G + g, gmask,
-                        (b * Hkv * G + h * G + g).to(tl.int64) * n_splits, n_splits, Hkv * G, D)
+                        (b * Hkv * G + h * G + g).to(tl.int64) * n_splits, n_splits, Hkv * G, D, 4)
 
 
 @triton.jit
 def _merge_rows(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, b, heads, hmask, first, n_splits, Hq,
-                D: tl.constexpr):
+                D: tl.constexpr, BS: tl.constexpr):
     """Log-sum-exp merge of ``n_splits`` partials for query heads ``heads [GP]`` of sequence ``b``
-    (partials of head i at rows ``first[i] ..``), one split at a time; loads bypass L1 (``.cg``):
-    other programs of the launch wrote them."""
+    (partials of head i at rows ``first[i] ..``), ``BS`` splits of every head per step (one
+    ``[GP, BS, D]`` load in flight per step: the row's merge is serial in this one program); loads
+    bypass L1 (``.cg``): other programs of the launch wrote them."""
     d = tl.arange(0, D)
     m_all = tl.full(heads.shape, float("-inf"), tl.float32)
     l_all = tl.zeros(heads.shape, tl.float32)
     acc = tl.zeros([heads.shape[0], D], tl.float32)
-    for sp in range(0, n_splits):
-        ls = tl.load(plse_ptr + first + sp, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(po_ptr + (first + sp)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0,
-                    cache_modifier=".cg")
-        m_new = tl.maximum(m_all, ls)
+    for s0 in range(0, n_splits, BS):
+        sp = s0 + tl.arange(0, BS)
+        sm = hmask[:, None] & (sp < n_splits)[None, :]  # [GP, BS]
+        rows = first[:, None] + sp[None, :]
+        ls = tl.load(plse_ptr + rows, mask=sm, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(po_ptr + rows[:, :, None] * D + d[None, None, :], mask=sm[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # [GP, BS, D]
+        m_new = tl.maximum(m_all, tl.max(ls, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(ls - m_safe)
+        w = tl.exp2(ls - m_safe[:, None])
         alpha = tl.exp2(m_all - m_safe)
-        l_all = l_all * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
+        l_all = l_all * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
         m_all = m_new
     has = l_all > 0.0
     out = acc / tl.where(has, l_all, 1.0)[:, None]
