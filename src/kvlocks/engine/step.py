@@ -32,8 +32,8 @@ from kvlocks.engine.parts import ModelParts, finish_layer, project_and_write, pr
 FUSE_QKV = False
 # The new token's K/V written inside the compiled projection piece (parts.project_and_write) instead
 # of by two index_copy_ launches per layer after it (session 5's profile, GLM-4-9B at 1M: 80 launches,
-# 0.18 ms per step for 1 KB each; Inductor writes them in place from the RoPE kernel, checked on the
-# CPU). Off until timed on a GPU (select_ab.py --modes ...,kv_write).
+# 0.18 ms per step for 1 KB each; on the CPU Inductor writes both rows in place from one fused
+# kernel). Off until timed on a GPU (select_ab.py --modes ...,kv_write).
 KV_WRITE_IN_PIECE = False
 # torch.compile mode of the two pieces: None (default) or "max-autotune-no-cudagraphs", which lets
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
