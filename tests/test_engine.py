@@ -246,6 +246,27 @@ def test_compiled_step_equals_eager_and_compiles_once_for_all_layers(fuse, write
     assert torch.allclose(out[False][1], out[True][1], rtol=1e-4, atol=1e-4 * float(out[False][1].abs().max()))
 
 
+def test_compiled_step_compiles_once_across_cache_sizes(monkeypatch):
+    """With the K/V writes inside the compiled projection piece the caches are its inputs; engines
+    with ten different cache sizes (more than Dynamo's recompile limit of 8, past which a piece runs
+    eagerly) reuse the same two graphs, and each one's tokens equal the eager step's."""
+    from torch._dynamo.utils import counters
+
+    from kvlocks.engine import step as step_mod
+
+    monkeypatch.setattr(step_mod, "KV_WRITE_IN_PIECE", True)
+    model = _tiny("llama3.1-8b", seed=5, num_hidden_layers=2)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    counters.clear()
+    for pages in range(4, 14):
+        cfg = dict(method="dense", max_context=16 * pages, backend="torch")
+        eager = DecodeEngine(model, EngineConfig(**cfg)).generate(ids, max_new_tokens=3)
+        compiled = DecodeEngine(model, EngineConfig(**cfg, compile=True)).generate(ids, max_new_tokens=3)
+        assert torch.equal(eager, compiled), pages
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
 def test_incremental_build_runs_only_on_steps_that_fill_a_page(monkeypatch):
     """With SKIP_IDLE_BUILDS the step runner tracks the common length on the host and leaves the
     incremental build out of steps that fill no page (one launch per layer saved on 15 of 16 steps):

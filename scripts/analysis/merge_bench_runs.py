@@ -6,7 +6,10 @@ Rows keep their order and gain ``run`` (the source file's stem, or its two paren
 ``summary.json``); ``config.runs`` lists each source's
 config, command, file and recorded commit; ``copy_gbps`` becomes the list of the runs' copy
 bandwidths. The other top-level fields come from the first run. ``--dedupe`` keeps only the first
-row of each (model or shape, context, batch, method): list the newer runs first.
+row of each (model or shape, context, batch, method): list the newer runs first. ``--sort`` orders
+the rows by model (first appearance), batch, context (largest first). ``--exclude
+MODEL:CONTEXT:BATCH=REASON`` moves that case's rows to ``errors`` with the reason (a measurement
+known to be invalid stays on record, out of the table).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ def _key(row: dict) -> tuple:
     return (row.get("model", row.get("shape")), row.get("context"), row.get("batch"), row.get("method"))
 
 
-def merge(paths: list[str], note: str, base: Path, dedupe: bool = False) -> dict:
+def merge(paths: list[str], note: str, base: Path, dedupe: bool = False, sort: bool = False,
+          exclude: dict | None = None) -> dict:
     out, rows, runs, errors, bws = None, [], [], [], []
     for spec in paths:
         path, _, command = spec.partition("=")
@@ -33,8 +37,27 @@ def merge(paths: list[str], note: str, base: Path, dedupe: bool = False) -> dict
         bws.append(src.get("copy_gbps"))
         runs.append({**src.get("config", {}), "command": command or None,
                      "file": str(Path(path).resolve().relative_to(base.resolve())), "commit": src.get("commit")})
+    for case, reason in (exclude or {}).items():
+        hit = [r for r in rows if _key(r)[:3] == case]
+        if not hit:
+            raise SystemExit(f"--exclude {case}: no such rows")
+        rows = [r for r in rows if _key(r)[:3] != case]
+        errors += [{"model": r.get("model", r.get("shape")), "context": r.get("context"), "batch": r.get("batch"),
+                    "method": r.get("method"), "run": r["run"], "tpot_ms": r.get("tpot_ms"),
+                    "error": f"excluded: {reason}"} for r in hit]
+    if sort:
+        models = list(dict.fromkeys(_key(r)[0] for r in rows))
+        rows.sort(key=lambda r: (models.index(_key(r)[0]), r.get("batch") or 0, -(r.get("context") or 0)))
     out.update(commit=note, config={"runs": runs}, copy_gbps=bws, rows=rows, errors=errors)
     return out
+
+
+def _exclusion(spec: str) -> tuple[tuple, str]:
+    case, sep, reason = spec.partition("=")
+    parts = case.split(":")
+    if not sep or not reason or len(parts) != 3:
+        raise SystemExit(f"--exclude wants MODEL:CONTEXT:BATCH=REASON, got {spec!r}")
+    return (parts[0], int(parts[1]), int(parts[2])), reason
 
 
 def main() -> None:
@@ -43,9 +66,12 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="summary.json paths, each optionally =COMMAND")
     ap.add_argument("--note", required=True, help="where and at which commits the runs were made")
     ap.add_argument("--dedupe", action="store_true", help="keep the first row per (model, context, batch, method)")
+    ap.add_argument("--sort", action="store_true", help="rows by model, batch, context (largest first)")
+    ap.add_argument("--exclude", action="append", default=[], help="MODEL:CONTEXT:BATCH=REASON (repeatable)")
     args = ap.parse_args()
     out = Path(args.out)
-    out.write_text(json.dumps(merge(args.runs, args.note, out.parent, args.dedupe), indent=1))
+    exclude = dict(_exclusion(e) for e in args.exclude)
+    out.write_text(json.dumps(merge(args.runs, args.note, out.parent, args.dedupe, args.sort, exclude), indent=1))
 
 
 if __name__ == "__main__":

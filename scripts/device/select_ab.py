@@ -28,24 +28,27 @@ from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 # Each mode sets these module attributes (read when a decode plan is made or at each launch): the
 # defaults, then the mode's overrides. Early stop: default since session 8; register merge and
 # 5-bit digits since session 9; steps that fill no page without the incremental-build launches
-# since session 10 ("skip_idle_builds" = the defaults; "fused_regs_bits5" = the build launch on
-# every step, the defaults before).
+# since session 10; fused q/k/v, rebased radix keys and the K/V writes in the projection piece
+# since session 11 ("defaults11" = the defaults; "skip_idle_builds" = session 10's defaults;
+# "fused_regs_bits5" = session 9's).
 SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.selection.triton", True),
             "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
-            "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", False),
-            "REBASE_KEYS": ("kvlocks.selection.triton", False),
-            "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", False), "COMPILE_MODE": ("kvlocks.engine.step", None),
+            "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", True),
+            "REBASE_KEYS": ("kvlocks.selection.triton", True),
+            "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", None),
             "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False)}
-OLD_SELECT = {"MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
+SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
+OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
-         "fused_noearly": {**OLD_SELECT, "EARLY_EXIT": False}, "fused_regs": {"DIGIT_BITS": 4},
-         "fused_bits5": {"MERGE_IN_REGISTERS": False}, "fused_regs_bits5": {"SKIP_IDLE_BUILDS": False}, "balanced": {"BALANCED": True},
+         "fused_noearly": {**OLD_SELECT, "EARLY_EXIT": False}, "fused_regs": {**SESSION10, "DIGIT_BITS": 4},
+         "fused_bits5": {**SESSION10, "MERGE_IN_REGISTERS": False},
+         "fused_regs_bits5": {**SESSION10, "SKIP_IDLE_BUILDS": False}, "balanced": {"BALANCED": True},
          "six": {"MIN_BLOCKS": 6}, "six_balanced": {"MIN_BLOCKS": 6, "BALANCED": True},
-         "skip_idle_builds": {}, "fused_qkv": {"FUSE_QKV": True},
-         "rebase_keys": {"REBASE_KEYS": True}, "kv_write": {"KV_WRITE_IN_PIECE": True},
+         "defaults11": {}, "skip_idle_builds": SESSION10, "fused_qkv": {**SESSION10, "FUSE_QKV": True},
+         "rebase_keys": {**SESSION10, "REBASE_KEYS": True}, "kv_write": {**SESSION10, "KV_WRITE_IN_PIECE": True},
          "merge_in_kernel": {"MERGE_IN_KERNEL": True},
-         "prepared10": {"FUSE_QKV": True, "REBASE_KEYS": True, "KV_WRITE_IN_PIECE": True, "MERGE_IN_KERNEL": True},
+         "prepared10": {"MERGE_IN_KERNEL": True},
          "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"}}
 
 
@@ -62,13 +65,17 @@ def main() -> None:
     ap.add_argument("--model", default="glm4-9b-1m")
     ap.add_argument("--contexts", default="1048576,131072")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batches", default="1", help="batch sizes, run at the first context")
+    ap.add_argument("--methods", default="locks", help="comma-separated: locks, dense")
     ap.add_argument("--fused-chunk", type=int, default=0, help="pages per fused program above one program per row "
                     "(0: default_fused_chunk)")
     ap.add_argument("--modes", default="unfused,fused", help="comma-separated, any of: " + ", ".join(MODES))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     ctx = tuple(int(c) for c in args.contexts.split(","))
-    cfg = E2EBenchConfig(models=(args.model,), contexts=ctx, batches=(1,), batch_context=ctx[0], methods=("locks",),
+    batches = tuple(int(b) for b in args.batches.split(","))
+    cfg = E2EBenchConfig(models=(args.model,), contexts=ctx, batches=batches, batch_context=ctx[0],
+                         methods=tuple(args.methods.split(",")),
                          steps=args.steps, max_prefill=0)
     if args.fused_chunk:
         from kvlocks.selection import fused
@@ -79,7 +86,7 @@ def main() -> None:
         apply(mode)
         summary = run_e2e_bench(Path(args.out) / mode, cfg)
         for r in summary["rows"]:
-            print(mode, r["context"], r["batch"], round(r["tpot_ms"], 3), round(r["tpot_mean_ms"], 3), flush=True)
+            print(mode, r["method"], r["context"], r["batch"], round(r["tpot_ms"], 3), round(r["tpot_mean_ms"], 3), flush=True)
 
 
 if __name__ == "__main__":

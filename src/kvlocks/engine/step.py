@@ -29,12 +29,12 @@ from kvlocks.engine.parts import ModelParts, finish_layer, project_and_write, pr
 # Each layer's q/k/v projections as one product over the three weights laid out in one matrix
 # (kvlocks.engine.fused: the modules' parameters become views of it, no memory added): two fewer
 # launches per layer. Off until timed on a GPU (scripts/device/select_ab.py --modes ...,fused_qkv).
-FUSE_QKV = False
+FUSE_QKV = True
 # The new token's K/V written inside the compiled projection piece (parts.project_and_write) instead
 # of by two index_copy_ launches per layer after it (session 5's profile, GLM-4-9B at 1M: 80 launches,
 # 0.18 ms per step for 1 KB each; on the CPU Inductor writes both rows in place from one fused
 # kernel). Off until timed on a GPU (select_ab.py --modes ...,kv_write).
-KV_WRITE_IN_PIECE = False
+KV_WRITE_IN_PIECE = True
 # torch.compile mode of the two pieces: None (default) or "max-autotune-no-cudagraphs", which lets
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
 # stays ours). Untimed so far (select_ab.py --modes ...,max_autotune).
@@ -70,6 +70,15 @@ class DecodeStep:
         n, s = cache.num_pages, cache.page_size
         self._k_flat = [cache.k[i].view(n * s, *cache.k.shape[-2:]) for i in range(cache.k.shape[0])]
         self._v_flat = [cache.v[i].view(n * s, *cache.v.shape[-2:]) for i in range(cache.v.shape[0])]
+        if compile and self._write_in_piece:
+            # The caches' row count differs with every max_context: left static, each size would be
+            # another compile of the projection piece, and past Dynamo's recompile limit (8) the piece
+            # runs eagerly (seen on the H200, session 11: the e2e bench's 9th and 10th cache sizes
+            # were 7% slower dense, 20% LOCKS). A symbolic row count only moves the writes' bounds.
+            from torch._dynamo import mark_dynamic
+
+            for t in (*self._k_flat, *self._v_flat):
+                mark_dynamic(t, 0)
 
     def fills_page(self, length: int) -> bool:
         """Whether the step taken at common length ``length`` fills a page whose summary LOCKS must

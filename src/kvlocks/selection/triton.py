@@ -42,7 +42,7 @@ DIGIT_BITS = 5
 # pages, chunks of 4,096, k = 126; an emulation of the passes, docs/benchmarks.md) the early-stopping
 # passes per chunk drop from ~4.0 to ~2.8 and the merge's from ~4.2 to ~2.5. Prepared, off until
 # timed on the GPU.
-REBASE_KEYS = False
+REBASE_KEYS = True
 
 
 def default_chunk(max_pages: int) -> int:
