@@ -30,7 +30,8 @@ PPI = 4  # pages per inner step: 64 tokens at S=16, a [16, 64] x [64, D] dot per
 # dense alike (session 5's profile: the merge launch ~4 us per layer for LOCKS's 128 pages, ~10 us
 # for dense at 1M). But that program merges the row's G heads over every split alone (4 splits per
 # step), where the merge launch spreads them over B * Hq programs: it can lose where splits are many
-# (dense at long context). Workspace key "merge_in_kernel". Prepared, off until timed on the GPU.
+# (dense at long context). Workspace key "merge_in_kernel". Off: timed on the H200 (session 11,
+# GLM-4-9B, LOCKS) it made the step slower, 11.76 -> 12.19 ms at 1M and 7.74 -> 8.15 at 32K.
 MERGE_IN_KERNEL = False
 
 

@@ -28,12 +28,13 @@ from kvlocks.engine.parts import ModelParts, finish_layer, project_and_write, pr
 
 # Each layer's q/k/v projections as one product over the three weights laid out in one matrix
 # (kvlocks.engine.fused: the modules' parameters become views of it, no memory added): two fewer
-# launches per layer. Off until timed on a GPU (scripts/device/select_ab.py --modes ...,fused_qkv).
+# launches per layer. On since session 11 (H200, GLM-4-9B, LOCKS: 11.76 -> 11.08 ms per step at 1M,
+# 7.74 -> 7.08 at 32K; scripts/device/select_ab.py --modes skip_idle_builds,fused_qkv).
 FUSE_QKV = True
 # The new token's K/V written inside the compiled projection piece (parts.project_and_write) instead
 # of by two index_copy_ launches per layer after it (session 5's profile, GLM-4-9B at 1M: 80 launches,
 # 0.18 ms per step for 1 KB each; on the CPU Inductor writes both rows in place from one fused
-# kernel). Off until timed on a GPU (select_ab.py --modes ...,kv_write).
+# kernel). On since session 11 (H200, GLM-4-9B, LOCKS: 11.76 -> 11.60 ms at 1M, 7.74 -> 7.66 at 32K).
 KV_WRITE_IN_PIECE = True
 # torch.compile mode of the two pieces: None (default) or "max-autotune-no-cudagraphs", which lets
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
