@@ -255,6 +255,7 @@ def test_compiled_step_compiles_once_across_cache_sizes(monkeypatch):
     from kvlocks.engine import step as step_mod
 
     monkeypatch.setattr(step_mod, "KV_WRITE_IN_PIECE", True)
+    monkeypatch.setattr(step_mod, "DYNAMIC_CACHE_ROWS", True)
     model = _tiny("llama3.1-8b", seed=5, num_hidden_layers=2)
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()

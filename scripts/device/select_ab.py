@@ -37,6 +37,7 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", True),
             "REBASE_KEYS": ("kvlocks.selection.triton", True),
             "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", None),
+            "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
             "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False)}
 SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
 OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
@@ -49,12 +50,18 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "rebase_keys": {**SESSION10, "REBASE_KEYS": True}, "kv_write": {**SESSION10, "KV_WRITE_IN_PIECE": True},
          "merge_in_kernel": {"MERGE_IN_KERNEL": True},
          "prepared10": {"MERGE_IN_KERNEL": True},
-         "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"}}
+         "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"},
+         "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}}
 
 
 def apply(mode: str) -> None:
-    """Set every attribute of SETTINGS to its default, then to ``mode``'s overrides."""
+    """Set every attribute of SETTINGS to its default, then to ``mode``'s overrides; forget Dynamo's
+    compiled graphs (a graph made under one mode, e.g. with dynamic cache rows, would serve the next)."""
     import importlib
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
 
     for name, (module, default) in SETTINGS.items():
         setattr(importlib.import_module(module), name, MODES[mode].get(name, default))

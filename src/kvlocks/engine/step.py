@@ -36,6 +36,13 @@ FUSE_QKV = True
 # 0.18 ms per step for 1 KB each; on the CPU Inductor writes both rows in place from one fused
 # kernel). On since session 11 (H200, GLM-4-9B, LOCKS: 11.76 -> 11.60 ms at 1M, 7.74 -> 7.66 at 32K).
 KV_WRITE_IN_PIECE = True
+# With KV_WRITE_IN_PIECE the caches are inputs of the compiled piece, and their row count differs
+# with every max_context: left static, each size is another compile, and past Dynamo's recompile
+# limit (8) the piece runs eagerly (seen on the H200, session 11: the e2e bench's 9th and 10th cache
+# sizes were 7% slower dense, 20% LOCKS). Marked dynamic, one graph serves every size; a symbolic
+# row count only moves the writes' bounds. Not yet timed against static rows on a GPU
+# (select_ab.py --modes defaults11,static_cache_rows).
+DYNAMIC_CACHE_ROWS = True
 # torch.compile mode of the two pieces: None (default) or "max-autotune-no-cudagraphs", which lets
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
 # stays ours). Untimed so far (select_ab.py --modes ...,max_autotune).
@@ -71,11 +78,7 @@ class DecodeStep:
         n, s = cache.num_pages, cache.page_size
         self._k_flat = [cache.k[i].view(n * s, *cache.k.shape[-2:]) for i in range(cache.k.shape[0])]
         self._v_flat = [cache.v[i].view(n * s, *cache.v.shape[-2:]) for i in range(cache.v.shape[0])]
-        if compile and self._write_in_piece:
-            # The caches' row count differs with every max_context: left static, each size would be
-            # another compile of the projection piece, and past Dynamo's recompile limit (8) the piece
-            # runs eagerly (seen on the H200, session 11: the e2e bench's 9th and 10th cache sizes
-            # were 7% slower dense, 20% LOCKS). A symbolic row count only moves the writes' bounds.
+        if compile and self._write_in_piece and DYNAMIC_CACHE_ROWS:
             from torch._dynamo import mark_dynamic
 
             for t in (*self._k_flat, *self._v_flat):
