@@ -508,6 +508,28 @@ def test_auto_method_switches_to_locks_when_decode_reaches_its_threshold(monkeyp
         for a, b in zip(cache.summaries[layer]._fields(), fresh._fields()):
             assert torch.equal(a[full.long()], b[full.long()])
 
+def test_auto_threshold_from_the_model_shape():
+    """The default auto threshold: the first whole page at which one sequence's K/V per layer reaches
+    AUTO_CROSSOVER_KV_BYTES (80 MB): GLM-4-9B (4 KV heads, D = 128, bf16: 2048 B per token) at
+    ceil(80e6 / 2048) = 39063 -> 39072 tokens, Llama-3.1-8B (8 KV heads: 4096 B) at 19532 -> 19536;
+    an explicit value wins; the engine uses the model's own shape and dtype."""
+    from kvlocks.engine.config import AUTO_CROSSOVER_KV_BYTES, auto_min_context_for
+
+    assert AUTO_CROSSOVER_KV_BYTES == 80_000_000
+    assert auto_min_context_for(4, 128, 2, 16) == 39072
+    assert auto_min_context_for(8, 128, 2, 16) == 19536
+    assert auto_min_context_for(8, 128, 4, 16) == 9776  # float32: 8192 B per token, 9766 -> 9776
+    with pytest.raises(ValueError, match="head_dim"):
+        auto_min_context_for(4, 0, 2, 16)
+    model = _tiny("llama3.1-8b", seed=2)  # float32
+    c = model.config
+    kv_bytes = 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    eng = DecodeEngine(model, EngineConfig(method="auto", max_context=64))
+    assert eng.auto_min_context == -(-(-(-80_000_000 // kv_bytes)) // 16) * 16
+    assert DecodeEngine(model, EngineConfig(method="auto", auto_min_context=80, max_context=64)).auto_min_context == 80
+    assert EngineConfig.from_json(EngineConfig(method="auto").to_json()).auto_min_context is None
+
+
 def test_auto_min_context_must_be_a_non_negative_int():
     with pytest.raises(ValueError, match="auto_min_context"):
         EngineConfig(method="auto", auto_min_context=-1)

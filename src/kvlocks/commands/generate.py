@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--engine", choices=ENGINE_METHODS, default=None,
                    help="greedy decode with the static-cache engine instead (one CUDA graph per step on CUDA; "
                         "locks, dense, or auto: LOCKS from --auto-min-context prompt tokens, dense below)")
-    p.add_argument("--auto-min-context", type=int, default=None, help="with --engine auto (default: 49152)")
+    p.add_argument("--auto-min-context", type=int, default=None, help="with --engine auto (default: from the model's shape, the "
+                   "length at which one sequence's K/V per layer reaches 80 MB, the H200 crossover)")
     p.add_argument("--budget", type=int, default=256, help="tokens attended per layer and KV head")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--basis-bits", type=int, default=4)

@@ -8,9 +8,13 @@ from kvlocks._config_io import ConfigIO, check_int
 from kvlocks.config import LocksConfig
 
 METHODS = ("locks", "dense", "auto")
-# auto: the context from which LOCKS decodes faster than dense on the H200 (GLM-4-9B shape, budget
-# 2048: 0.96x at 32K, 1.06x at 64K; docs/benchmarks.md, session 6)
-AUTO_MIN_CONTEXT = 49152
+# auto: where LOCKS starts to decode faster than dense, as the K/V bytes one sequence holds per layer.
+# On the H200 (budget 2048, session 11) both model shapes cross at about the same bytes: GLM-4-9B
+# (4 KV heads, 2 KB per token and layer in bf16) 0.98x at 32K, 1.05x at 64K (1.0 at ~41K tokens,
+# ~84 MB); Llama-3.1-8B (8 KV heads, 4 KB) 0.98x at 16K, 1.09x at 32K (1.0 at ~19K, ~78 MB).
+# Below it dense's one attention kernel beats LOCKS's three dependent ones; above it the K/V read
+# dominates. docs/benchmarks.md, "Targets (issue 6)".
+AUTO_CROSSOVER_KV_BYTES = 80_000_000
 BACKENDS = ("torch", "triton")
 
 
@@ -26,8 +30,10 @@ class EngineConfig(ConfigIO):
         is as fast or faster), LOCKS from there on: chosen at each prefill by the prompt's length,
         and a dense decode switches to LOCKS at the step whose context reaches the threshold
         (every full page's summaries are built then, once); summaries are built only for LOCKS
-    auto_min_context : (auto) the context length from which LOCKS is used; the default is the
-        crossover measured on the H200 (GLM-4-9B shape, budget 2048), other models and GPUs differ
+    auto_min_context : (auto) the context length from which LOCKS is used; None (default): from the
+        model's shape, the length at which one sequence's K/V per layer reaches
+        ``AUTO_CROSSOVER_KV_BYTES`` (:func:`auto_min_context_for`; measured on the H200 at budget
+        2048: ~39K tokens for GLM-4-9B, ~19.5K for Llama-3.1-8B in bf16); other GPUs differ
     locks : LocksConfig (page size, budget, summary settings; int4 basis / int8 coefficients)
     batch : B, sequences decoded together (prompts of equal length, no padding)
     max_context : tokens per sequence the static cache holds (prompt + generated)
@@ -49,7 +55,7 @@ class EngineConfig(ConfigIO):
     cuda_graph: bool | None = None
     overlap_build: bool = True
     compile: bool = False
-    auto_min_context: int = AUTO_MIN_CONTEXT
+    auto_min_context: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,7 +72,8 @@ class EngineConfig(ConfigIO):
         check_int("EngineConfig", "batch", self.batch, 1, 4096)
         check_int("EngineConfig", "max_context", self.max_context, 2, 1 << 26)
         check_int("EngineConfig", "prefill_chunk", self.prefill_chunk, 1)
-        check_int("EngineConfig", "auto_min_context", self.auto_min_context, 0)
+        if self.auto_min_context is not None:
+            check_int("EngineConfig", "auto_min_context", self.auto_min_context, 0)
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
         if self.cuda_graph not in (None, True, False):
@@ -74,3 +81,15 @@ class EngineConfig(ConfigIO):
         for name in ("overlap_build", "compile"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r}: allowed True or False")
+
+
+def auto_min_context_for(num_kv_heads: int, head_dim: int, element_bytes: int, page_size: int) -> int:
+    """The ``auto`` threshold for a model shape: the first whole page at which one sequence's K and
+    V per layer (``2 * num_kv_heads * head_dim * element_bytes`` bytes per token) reach
+    ``AUTO_CROSSOVER_KV_BYTES``."""
+    for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("element_bytes", element_bytes),
+                    ("page_size", page_size)):
+        check_int("auto_min_context_for", name, v, 1)
+    per_token = 2 * num_kv_heads * head_dim * element_bytes
+    tokens = -(-AUTO_CROSSOVER_KV_BYTES // per_token)
+    return -(-tokens // page_size) * page_size

@@ -19,7 +19,7 @@ import torch
 
 from kvlocks.dispatch import resolve_backend
 from kvlocks.engine.cache import StaticPagedCache
-from kvlocks.engine.config import EngineConfig
+from kvlocks.engine.config import EngineConfig, auto_min_context_for
 from kvlocks.engine.graph import StepRunner
 from kvlocks.engine.overlap import PrefillBuild
 from kvlocks.engine.parts import model_parts
@@ -48,6 +48,11 @@ class DecodeEngine:
             max_context=config.max_context, config=config.locks, dtype=p.dtype, device=p.device,
             summaries=config.method != "dense",
         )
+        # method="auto": the context from which LOCKS decodes (the config's, or from the model's shape)
+        self.auto_min_context = config.auto_min_context
+        if self.auto_min_context is None:
+            self.auto_min_context = auto_min_context_for(p.num_kv_heads, p.head_dim, p.dtype.itemsize,
+                                                         config.locks.page_size)
         self._steps: dict[str, DecodeStep] = {}
         self._runners: dict[str, StepRunner] = {}
         self.runner: StepRunner | None = None
@@ -71,7 +76,7 @@ class DecodeEngine:
         :meth:`decode` step waits for the builds on the device, not the host. With ``method="auto"``
         the prompt's length picks LOCKS or dense for the decode steps that follow."""
         if self.config.method == "auto":
-            self._use("locks" if input_ids.shape[1] >= self.config.auto_min_context else "dense")
+            self._use("locks" if input_ids.shape[1] >= self.auto_min_context else "dense")
         build = None
         if self.method == "locks":
             build = PrefillBuild(self.cache, input_ids.shape[1], backend=self.backend,
@@ -105,7 +110,7 @@ class DecodeEngine:
 
     def _reaches_auto_threshold(self) -> bool:
         return (self.config.method == "auto" and self.method == "dense"
-                and self.cache.length >= self.config.auto_min_context)
+                and self.cache.length >= self.auto_min_context)
 
     def _switch_to_locks(self) -> None:
         """auto, mid-decode: build every full page's summaries, then decode with LOCKS (same token
