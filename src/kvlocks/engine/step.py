@@ -79,10 +79,10 @@ class DecodeStep:
         self._k_flat = [cache.k[i].view(n * s, *cache.k.shape[-2:]) for i in range(cache.k.shape[0])]
         self._v_flat = [cache.v[i].view(n * s, *cache.v.shape[-2:]) for i in range(cache.v.shape[0])]
         if compile and self._write_in_piece and DYNAMIC_CACHE_ROWS:
-            from torch._dynamo import mark_dynamic
+            from torch._dynamo import maybe_mark_dynamic
 
             for t in (*self._k_flat, *self._v_flat):
-                mark_dynamic(t, 0)
+                maybe_mark_dynamic(t, 0)
 
     def fills_page(self, length: int) -> bool:
         """Whether the step taken at common length ``length`` fills a page whose summary LOCKS must
