@@ -350,6 +350,32 @@ def test_static_cache_bytes_views_and_random_fill():
         cache.random_fill(113)
 
 
+def test_bench_e2e_makes_an_eager_fallback_an_error_of_its_case(tmp_path, monkeypatch):
+    """A compiled piece that reaches Dynamo's recompile limit would run eagerly and make its rows
+    slow for a reason the table does not show. The bench raises the limit (RECOMPILE_LIMIT) and
+    turns reaching it into an error of that case: with the limit at 1, the batch-1 case compiles and
+    measures, the batch-2 case (new shapes) is an error naming the limit, and no row of it is kept."""
+    import torch._dynamo
+
+    from kvlocks.bench import e2e
+    from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
+
+    monkeypatch.setattr(e2e, "RECOMPILE_LIMIT", 1)
+    torch._dynamo.reset()
+    tiny = {**TINY, "vocab_size": 1000, "num_hidden_layers": 1}
+    cfg = E2EBenchConfig(models=("llama3.1-8b",), contexts=(64,), batches=(1, 2), batch_context=64, budget=32,
+                         steps=3, warmup=1, max_prefill=0, methods=("dense",), compile=True, model_overrides=tiny)
+    summary = run_e2e_bench(tmp_path, cfg, device="cpu")
+    torch._dynamo.reset()
+    assert [(r["batch"], r["method"]) for r in summary["rows"]] == [(1, "dense")]
+    assert len(summary["errors"]) == 1 and summary["errors"][0]["batch"] == 2
+    assert "limit" in summary["errors"][0]["error"].lower()
+    assert summary["dynamo"] == {"recompile_limit": 1, "fail_on_recompile_limit_hit": True}
+    import torch._dynamo.config as dc
+
+    assert dc.recompile_limit == 8 and not dc.fail_on_recompile_limit_hit  # restored after the run
+
+
 def test_bench_e2e_rows_on_cpu(tmp_path):
     from kvlocks.bench.e2e import ROW_KEYS, E2EBenchConfig, run_e2e_bench
 
