@@ -8,6 +8,7 @@
 # Usage on the device: bash scripts/device/pending10d.sh "$OUT"
 set -u
 out=${1:?output folder}
+mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=$PWD/src
 for spec in glm4-9b-1m:4 llama3-8b:4; do
     name=${spec%%:*}

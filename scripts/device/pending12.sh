@@ -27,6 +27,7 @@ grep -E "^(defaults11|static)" "$out/ab_rows.txt"
 timeout 150 bash scripts/device/pending10d.sh "$out/ncu" > "$out/ncu.txt" 2>&1
 echo "ncu exit $?"
 tail -30 "$out/ncu.txt"
+mkdir -p "$out/ncu"
 # the build kernel: is it bound by the shared-memory/shuffle pipe (docs/benchmarks.md, session 11)?
 timeout 60 ncu --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section SourceCounters \
     -k regex:_build_kernel -c 1 -f -o "$out/ncu/build" python scripts/device/build_probe.py --shapes llama3-8b \
