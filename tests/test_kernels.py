@@ -417,7 +417,8 @@ def _recon(s):
 
 
 @pytest.mark.parametrize("rotation,finish", [("gathers", "dots"), ("lean", "dots"), ("dots", "dots"),
-                                             ("lean", "loop"), ("xor", "dots"), ("xor_unrolled", "dots")])
+                                             ("lean", "loop"), ("xor", "dots"), ("xor_unrolled", "dots"),
+                                             ("onesided", "loop")])
 @pytest.mark.parametrize("d,dtype,rank", [(64, F32, 0), (128, BF16, 0), (128, F32, 5), (64, F16, 12)])
 def test_build_matches_reference(d, dtype, rank, rotation, finish):
     gen = torch.Generator().manual_seed(d + rank)

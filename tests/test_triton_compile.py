@@ -4,7 +4,7 @@ The CPU tests run the kernels in the Triton interpreter, which does not lower th
 right in the interpreter can still fail to compile (loop-carried types, casts, layouts). Triton
 compiles ahead of time for a named target with its bundled ptxas, so this checks the compiled path
 of every variant of the selection kernels (the early-stopping radix passes, the register merge,
-5-bit digits and rebased keys included), of the build kernel's options (rotations, the dots finish,
+5-bit digits and rebased keys included), of the build kernel's options (rotations, the one-sided solver, the dots finish,
 a register cap) and of the attention kernel with its in-kernel merge, on CI.
 
 The compile runs in a child process: ``tests/test_kernels.py`` sets ``TRITON_INTERPRET=1`` before
@@ -95,6 +95,11 @@ def build_kernels() -> None:
         assert (f".maxnreg {cap}" in ptx) == (cap is not None)
         assert ("ld.volatile.global" in ptx) == (cap is not None)  # the reload after the solver
         assert ("mma.sync" in ptx) or ("wgmma" in ptx)  # the Gram (and with dots the basis) on tensor cores
+    # the one-sided solver: its row swaps are register moves and its only exchange is the pair sums'
+    # butterfly shuffles, so the kernel needs (almost) no shared memory, where the Gram solvers take 16 KB
+    k = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ROT=5, FINISH=0, RELOAD_VOLATILE=False), 1)
+    assert ".target sm_90" in k.asm["ptx"] and "shfl.sync.bfly" in k.asm["ptx"]
+    assert k.metadata.shared <= 1024, k.metadata.shared
 
 
 def attention_kernels() -> None:

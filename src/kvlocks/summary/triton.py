@@ -15,7 +15,10 @@
    whole model at 1M (``scripts/device/build_probe.py``): lean 1.18 s (llama3-8b) / 0.75 s
    (glm4-9b-1m) at 1 item x 1 warp per program (the autotuner's pick), 1.76 / 1.11 s at 2 x 2;
    gathers 2.51 / 1.57 s, dots 2.29 / 1.44 s at 4 x 4. Prepared, off: ``xor`` / ``xor_unrolled``,
-   the pairs of step m as (i, i XOR m) (215 / 191 instructions per step; see ``_jacobi_xor``);
+   the pairs of step m as (i, i XOR m) (215 / 191 instructions per step; see ``_jacobi_xor``), and
+   ``onesided`` (:func:`_build_onesided`): no Gram, the rows of the centred keys rotated until
+   orthogonal, the row swaps register moves and 40 butterfly shuffles per step the only exchange
+   (the Gram solvers: 67 shared-memory/shuffle operations per step, which may be what binds them);
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
@@ -195,6 +198,137 @@ def _jacobi_dots(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, PRECISI
 
 
 @triton.jit
+def _descending_rank(lam, ii):
+    """Position of each eigenvalue of ``lam [BP, S]`` in descending order (ties: lower index first)."""
+    return tl.sum(((lam[:, None, :] > lam[:, :, None]) |
+                   ((lam[:, None, :] == lam[:, :, None]) & (ii[None, None, :] < ii[None, :, None]))).to(tl.int32),
+                  axis=2)
+
+
+@triton.jit
+def _split_bit(x, K: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
+    """Rows of ``x [BP, S, H]`` with bit K of the row index 0 and 1: two ``[BP, S / 2^(K+1), 2^K, H]``."""
+    y = tl.reshape(x, (BP, S // (2 << K), 2, 1 << K, H))
+    return tl.split(tl.permute(y, (0, 1, 3, 4, 2)))
+
+
+@triton.jit
+def _join_bit(lo, hi, K: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
+    """Inverse of :func:`_split_bit`: rows with bit K = 0 from ``lo``, = 1 from ``hi``."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 4, 2, 3)), (BP, S, H))
+
+
+@triton.jit
+def _xor_rows(x, M: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
+    """``x[:, i ^ M, :]`` for ``x [BP, S, H]`` and a compile-time M: one split/join swap per set bit.
+    With the row axis held within each thread (the layout of the build's key tiles) these are
+    register moves: no shuffles, no shared memory (sm_90 SASS, docs/benchmarks.md)."""
+    for k in tl.static_range(4):
+        if (M >> k) & 1:
+            a, b = _split_bit(x, k, BP, S, H)
+            x = _join_bit(b, a, k, BP, S, H)
+    return x
+
+
+@triton.jit
+def _pair_rotation(app, aqq, apq):
+    """:func:`_rotation` for the first index of each pair, with fewer special-function operations:
+    t = sign(tau) nu / (|tau| + sqrt(tau^2 + nu^2)) with tau = a_qq - a_pp, nu = 2 a_pq (the same t
+    as tan of the angle from theta = tau / nu, without that division), c = rsqrt(t^2 + 1), and
+    approximate division: an inexact angle only slows convergence, and (c, t c) stays a rotation."""
+    tau = aqq - app
+    nu = 2.0 * apq
+    den = tl.abs(tau) + tl.sqrt(tau * tau + nu * nu)
+    tt = tl.fdiv(tl.where(tau >= 0, nu, -nu), tl.where(den > 0.0, den, 1.0), ieee_rounding=False)
+    return tt, tl.math.rsqrt(tt * tt + 1.0)
+
+
+@triton.jit
+def _high_bit(M: tl.constexpr):
+    """Index of the highest set bit of a compile-time 1 <= M < 16."""
+    return 3 if M >= 8 else (2 if M >= 4 else (1 if M >= 2 else 0))
+
+
+@triton.jit
+def _pairs_of(x, M: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
+    """The pairs (i, i ^ M) of rows of ``x [BP, S, H]``: the first rows (bit KH of i, the highest bit
+    of M, is 0) and their partners, each ``[BP, S/2, H]`` in the same order."""
+    KH: tl.constexpr = _high_bit(M)
+    first, _ = _split_bit(x, KH, BP, S, H)
+    second, _ = _split_bit(_xor_rows(x, M, BP, S, H), KH, BP, S, H)
+    return tl.reshape(first, (BP, S // 2, H)), tl.reshape(second, (BP, S // 2, H))
+
+
+@triton.jit
+def _unpair(first, second, M: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
+    """Inverse of :func:`_pairs_of`: rows back in their places. A partner i ^ M sits in the half with
+    bit KH set at the place of i ^ (1 << KH); the rest of M (bits below KH, the same bits in the
+    half's own row index) moves it there."""
+    KH: tl.constexpr = _high_bit(M)
+    hi: tl.constexpr = S // (2 << KH)
+    second = _xor_rows(second, M ^ (1 << KH), BP, S // 2, H)
+    return _join_bit(tl.reshape(first, (BP, hi, 1 << KH, H)), tl.reshape(second, (BP, hi, 1 << KH, H)), KH, BP, S, H)
+
+
+@triton.jit
+def _onesided_step(me, mo, w, lam, M: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
+    """One step of :func:`_build_onesided`: the S/2 pairs (i, i ^ M) rotated at once."""
+    pe, qe = _pairs_of(me, M, BP, S, H)
+    po, qo = _pairs_of(mo, M, BP, S, H)
+    pw, qw = _pairs_of(w, M, BP, S, S)
+    lp, lq = _pairs_of(tl.reshape(lam, (BP, S, 1)), M, BP, S, 1)
+    lp = tl.reshape(lp, (BP, S // 2))
+    lq = tl.reshape(lq, (BP, S // 2))
+    apq = tl.sum(pe * qe + po * qo, axis=2)  # [BP, S/2] <m_p, m_q>: the only reduction across lanes
+    tt, c = _pair_rotation(lp, lq, apq)
+    sn = (tt * c)[:, :, None]
+    c = c[:, :, None]
+    me = _unpair(c * pe - sn * qe, sn * pe + c * qe, M, BP, S, H)
+    mo = _unpair(c * po - sn * qo, sn * po + c * qo, M, BP, S, H)
+    w = _unpair(c * pw - sn * qw, sn * pw + c * qw, M, BP, S, S)
+    lam = _unpair(tl.reshape(lp - tt * apq, (BP, S // 2, 1)), tl.reshape(lq + tt * apq, (BP, S // 2, 1)), M, BP, S, 1)
+    return me, mo, w, tl.reshape(lam, (BP, S))
+
+
+@triton.jit
+def _build_onesided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr,
+                    BP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """One-sided (Hestenes) Jacobi on the centred keys themselves, no Gram: the rows of ``dev [S, D]``
+    are rotated in pairs (i, i XOR m), m = 1..S-1 per sweep, until they are orthogonal: ``dev' = W dev``
+    with ``W`` orthogonal, so ``dev' dev'^T`` is the Gram's eigendecomposition (row norms^2 =
+    eigenvalues), the basis rows are ``dev'_r / |dev'_r|`` and the projections of the keys on them
+    are ``W[r, t] |dev'_r|`` (``dev = W^T dev'``). Rotation angles as in :func:`_rotation`, norms
+    tracked in closed form; only the pair products are reduced across lanes (8 sums per step); the
+    row swaps are register moves. Returns the eigenvalues ``[BP, S]`` (exact row norms^2)."""
+    H: tl.constexpr = D // 2
+    ii = tl.arange(0, S)
+    w = tl.zeros([BP, S, S], tl.float32) + (ii[:, None] == ii[None, :]).to(tl.float32)[None, :, :]
+    lam = tl.sum(de * de, axis=2) + tl.sum(do * do, axis=2)  # [BP, S]
+    for _sweep in range(n_sweeps):
+        for m in tl.static_range(1, S):
+            de, do, w, lam = _onesided_step(de, do, w, lam, m, BP, S, H)
+    lam = tl.sum(de * de, axis=2) + tl.sum(do * do, axis=2)  # exact norms of the rotated rows
+    rank = _descending_rank(lam, ii)
+    floor = floor2 * tl.max(lam, axis=1)
+    rr = tl.arange(0, R)
+    coefs = tl.zeros([BP, S, R], tl.float32)
+    for r in tl.static_range(R):
+        oh = (rank == r).to(tl.float32)  # [BP, S]
+        lam_r = tl.sum(lam * oh, axis=1)
+        keep = (lam_r > floor) & (floor >= 0.0)
+        sig = tl.sqrt(lam_r)
+        inv = tl.where(keep & (sig > 0.0), 1.0 / tl.where(sig > 0.0, sig, 1.0), 0.0)
+        be = tl.sum(de * oh[:, :, None], axis=1) * inv[:, None]  # [BP, D/2] basis row r (even dims)
+        bo = tl.sum(do * oh[:, :, None], axis=1) * inv[:, None]
+        wr = tl.sum(w * oh[:, :, None], axis=1)  # [BP, S tokens] = W[r, t]
+        cr = wr * tl.where(keep, sig, 0.0)[:, None]
+        coefs += cr[:, :, None] * (rr == r).to(tl.float32)[None, None, :]
+        _store_basis_row(be, bo, ph, r, ok, j[None, :], basis_ptr, bscale_ptr, D, R)
+    _store_coefs(coefs, ph, ok, s_idx, rr, coef_ptr, cscale_ptr, S, R)
+    return lam
+
+
+@triton.jit
 def _store_basis_row(be, bo, ph, r, ok, j, basis_ptr, bscale_ptr, D: tl.constexpr, R: tl.constexpr):
     """int4 basis rows ``[..., D/2]`` (even/odd dims) with float16 scales rounded up, at rank slots ``r``."""
     amax = tl.maximum(tl.max(tl.abs(be), axis=-1), tl.max(tl.abs(bo), axis=-1))
@@ -290,44 +424,60 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
         s_idx = tl.arange(0, S)
         j = tl.arange(0, D // 2)
         de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S)
-        a = tl.dot(de, tl.permute(de, (0, 2, 1)), input_precision=PRECISION)
-        a = tl.dot(do, tl.permute(do, (0, 2, 1)), acc=a, input_precision=PRECISION)  # Gram [BP, S, S]
-        a = 0.5 * (a + tl.permute(a, (0, 2, 1)))
-        ii = tl.arange(0, S)
-        eye = (ii[:, None] == ii[None, :]).to(tl.float32)
-        v = tl.zeros([BP, S, S], tl.float32) + eye[None, :, :]
-        if ROT == 1:
-            a, v, lam = _jacobi_dots(a, v, eye, n_sweeps, BP, S, PRECISION)
-        elif ROT == 2:
-            a, v, lam = _jacobi_lean(a, v, eye, n_sweeps, BP, S)
-        elif ROT == 3:
-            a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, False)
-        elif ROT == 4:
-            a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, True)
+        if ROT == 5:
+            lam = _build_onesided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
+                                  cscale_ptr, BP, S, D, R)
+            if WRITE_EIG:
+                rank = _descending_rank(lam, tl.arange(0, S))
+                tl.store(eig_ptr + it[:, None].to(tl.int64) * S + rank, lam, mask=im[:, None])
         else:
-            a, v = _jacobi_gathers(a, v, eye, n_sweeps, BP, S)
-            lam = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S] eigenvalues, eigenvectors = columns of v
-        rank = tl.sum(((lam[:, None, :] > lam[:, :, None]) |
-                       ((lam[:, None, :] == lam[:, :, None]) & (ii[None, None, :] < ii[None, :, None]))).to(tl.int32),
-                      axis=2)  # [BP, S]: position of eigenvalue i in descending order
-        if WRITE_EIG:
-            tl.store(eig_ptr + it[:, None].to(tl.int64) * S + rank, lam, mask=im[:, None])
-        floor = floor2 * tl.max(lam, axis=1)
-        # reloaded; as a volatile load with a register cap (RELOAD_VOLATILE), else the compiler merges it
-        # with the first and keeps those values live through the solver (uncapped that costs nothing)
-        de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S, RELOAD_VOLATILE)
-        if FINISH == 1:
-            _basis_coefs_dots(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
-                              cscale_ptr, BP, S, D, R, PRECISION)
-        else:
-            _basis_coefs_loop(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
-                              cscale_ptr, BP, S, D, R)
+            _build_twosided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, it, im, base, k_ptr, stride_ks, eig_ptr,
+                            basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, S, D, R, BP, WRITE_EIG, PRECISION, ROT,
+                            FINISH, RELOAD_VOLATILE)
         ms16, ms = _scale_up(tl.maximum(tl.max(tl.abs(mue), axis=1), tl.max(tl.abs(muo), axis=1)) / 127.0)
         ce = tl.minimum(tl.maximum(_rint(mue / ms[:, None]), -127.0), 127.0).to(tl.int8)
         co = tl.minimum(tl.maximum(_rint(muo / ms[:, None]), -127.0), 127.0).to(tl.int8)
         tl.store(cen_ptr + ph[:, None] * D + 2 * j[None, :], ce, mask=ok[:, None])
         tl.store(cen_ptr + ph[:, None] * D + 2 * j[None, :] + 1, co, mask=ok[:, None])
         tl.store(censcale_ptr + ph, ms16, mask=ok)
+
+
+@triton.jit
+def _build_twosided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, it, im, base, k_ptr, stride_ks, eig_ptr,
+                    basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                    BP: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr, ROT: tl.constexpr,
+                    FINISH: tl.constexpr, RELOAD_VOLATILE: tl.constexpr):
+    """Gram, two-sided Jacobi (``ROT`` 0-4), basis and coefficients (``FINISH``)."""
+    a = tl.dot(de, tl.permute(de, (0, 2, 1)), input_precision=PRECISION)
+    a = tl.dot(do, tl.permute(do, (0, 2, 1)), acc=a, input_precision=PRECISION)  # Gram [BP, S, S]
+    a = 0.5 * (a + tl.permute(a, (0, 2, 1)))
+    ii = tl.arange(0, S)
+    eye = (ii[:, None] == ii[None, :]).to(tl.float32)
+    v = tl.zeros([BP, S, S], tl.float32) + eye[None, :, :]
+    if ROT == 1:
+        a, v, lam = _jacobi_dots(a, v, eye, n_sweeps, BP, S, PRECISION)
+    elif ROT == 2:
+        a, v, lam = _jacobi_lean(a, v, eye, n_sweeps, BP, S)
+    elif ROT == 3:
+        a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, False)
+    elif ROT == 4:
+        a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, True)
+    else:
+        a, v = _jacobi_gathers(a, v, eye, n_sweeps, BP, S)
+        lam = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S] eigenvalues, eigenvectors = columns of v
+    rank = _descending_rank(lam, ii)
+    if WRITE_EIG:
+        tl.store(eig_ptr + it[:, None].to(tl.int64) * S + rank, lam, mask=im[:, None])
+    floor = floor2 * tl.max(lam, axis=1)
+    # reloaded; as a volatile load with a register cap (RELOAD_VOLATILE), else the compiler merges it
+    # with the first and keeps those values live through the solver (uncapped that costs nothing)
+    de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S, RELOAD_VOLATILE)
+    if FINISH == 1:
+        _basis_coefs_dots(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
+                          cscale_ptr, BP, S, D, R, PRECISION)
+    else:
+        _basis_coefs_loop(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
+                          cscale_ptr, BP, S, D, R)
 
 
 # Bulk builds on CUDA tune items per program, warps and a register cap once per shape (the kernel
@@ -345,8 +495,9 @@ _TUNE_KEY = ["Hkv", "S", "D", "R", "WRITE_EIG", "ROT", "FINISH"]
 _build_tuned = triton.autotune(_BUILD_CONFIGS, key=_TUNE_KEY)(_build_kernel)
 _build_tuned_caps = triton.autotune(_BUILD_CONFIGS + _CAPPED_CONFIGS, key=_TUNE_KEY)(_build_kernel)
 REGISTER_CAPS = False
-# how Jacobi rotates: _jacobi_gathers / _dots / _lean / _xor (runtime loop) / _xor (steps unrolled)
-ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2, "xor": 3, "xor_unrolled": 4}
+# how Jacobi rotates: _jacobi_gathers / _dots / _lean / _xor (runtime loop) / _xor (steps unrolled) on the
+# Gram, or _build_onesided on the keys (no Gram; its own basis/coefficients: FINISH does not apply)
+ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2, "xor": 3, "xor_unrolled": 4, "onesided": 5}
 ROTATION = "lean"
 FINISHES = {"loop": 0, "dots": 1}  # basis and coefficients: _basis_coefs_loop / _basis_coefs_dots
 FINISH = "loop"  # "dots": prepared, off until measured on the GPU
