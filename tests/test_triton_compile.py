@@ -15,6 +15,7 @@ the rest of the test session.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +101,16 @@ def build_kernels() -> None:
     k = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ROT=5, FINISH=0, RELOAD_VOLATILE=False), 1)
     assert ".target sm_90" in k.asm["ptx"] and "shfl.sync.bfly" in k.asm["ptx"]
     assert k.metadata.shared <= 1024, k.metadata.shared
+    # and in its SASS the solver loop's only shared-memory/shuffle-pipe operations are the pair sums'
+    # butterfly shuffles (scripts/analysis/build_sass.py; the Gram solver's loop has shared loads,
+    # stores and barriers)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "analysis"))
+    import build_sass
+
+    one, lean = build_sass.analyse("onesided"), build_sass.analyse("lean")
+    assert set(one["loop_body_pipe_by_op"]) == {"SHFL.BFLY"}, one["loop_body_pipe_by_op"]
+    assert one["loop_body_pipe_ops"] == 40 * 15  # 8 pair sums x 5 butterfly levels, 15 steps per trip
+    assert any(op.startswith(("LDS", "STS")) for op in lean["loop_body_pipe_by_op"]), lean["loop_body_pipe_by_op"]
 
 
 def attention_kernels() -> None:
