@@ -297,9 +297,10 @@ def _build_onesided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, basis_ptr, bscal
     are rotated in pairs (i, i XOR m), m = 1..S-1 per sweep, until they are orthogonal: ``dev' = W dev``
     with ``W`` orthogonal, so ``dev' dev'^T`` is the Gram's eigendecomposition (row norms^2 =
     eigenvalues), the basis rows are ``dev'_r / |dev'_r|`` and the projections of the keys on them
-    are ``W[r, t] |dev'_r|`` (``dev = W^T dev'``). Rotation angles as in :func:`_rotation`, norms
+    are ``W[r, t] |dev'_r|`` (``dev = W^T dev'``). Rotation angles by :func:`_pair_rotation`, norms
     tracked in closed form; only the pair products are reduced across lanes (8 sums per step); the
     row swaps are register moves. Returns the eigenvalues ``[BP, S]`` (exact row norms^2)."""
+    tl.static_assert(S == 16, "the XOR pairings swap four row-index bits: S = 16")
     H: tl.constexpr = D // 2
     ii = tl.arange(0, S)
     w = tl.zeros([BP, S, S], tl.float32) + (ii[:, None] == ii[None, :]).to(tl.float32)[None, :, :]
