@@ -32,10 +32,6 @@ FUSED_ARGS = {"scores_ptr": "*fp32", "stats_ptr": "*fp32", "n_sc": "i32", "seqle
               "max_pages": "i32", "n_chunks": "i32"}
 
 
-BUILD_ARGS = {"k_ptr": "*bf16", "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "ids_ptr": "*i32",
-              "n_items": "i32", "Hkv": "i32", "bt_ptr": "*i32", "stride_bt": "i32", "basis_ptr": "*u8",
-              "bscale_ptr": "*fp16", "coef_ptr": "*i8", "cscale_ptr": "*fp16", "cen_ptr": "*i8",
-              "censcale_ptr": "*fp16", "eig_ptr": "*fp32", "n_sweeps": "i32", "floor2": "fp32"}
 ATTN_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr": "*bf16", "v_ptr": "*bf16",
              "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "bt_ptr": "*i32", "stride_bt": "i32",
              "seqlen_ptr": "*i32", "pl_ptr": "*i32", "stride_lb": "i32", "stride_lh": "i32", "n_list": "i32",
@@ -84,8 +80,12 @@ def main() -> None:
 def build_kernels() -> None:
     """The summary build's variants: rotations (round-robin lean, XOR in a loop and unrolled), the
     basis/coefficients finish (per rank, dots), and a capped launch with the volatile reload."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "analysis"))
+    import build_sass  # the build kernel's signature and the SASS counts (scripts/analysis/build_sass.py)
+
     from kvlocks.summary import triton as bt
 
+    BUILD_ARGS = build_sass.SIGNATURE
     base = dict(S=16, D=128, R=8, BP=1, INCREMENTAL=False, WRITE_EIG=False, PRECISION="tf32x3")
     for rot, finish, cap in ((2, 0, None), (2, 1, 128), (3, 1, None), (4, 1, 144)):
         options = {"maxnreg": cap} if cap else {}
@@ -104,9 +104,6 @@ def build_kernels() -> None:
     # and in its SASS the solver loop's only shared-memory/shuffle-pipe operations are the pair sums'
     # butterfly shuffles (scripts/analysis/build_sass.py; the Gram solver's loop has shared loads,
     # stores and barriers)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "analysis"))
-    import build_sass
-
     one, lean = build_sass.analyse("onesided"), build_sass.analyse("lean")
     assert set(one["loop_body_pipe_by_op"]) == {"SHFL.BFLY"}, one["loop_body_pipe_by_op"]
     assert one["loop_body_pipe_ops"] == 40 * 15  # 8 pair sums x 5 butterfly levels, 15 steps per trip

@@ -299,7 +299,8 @@ def _build_onesided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, basis_ptr, bscal
     eigenvalues), the basis rows are ``dev'_r / |dev'_r|`` and the projections of the keys on them
     are ``W[r, t] |dev'_r|`` (``dev = W^T dev'``). Rotation angles by :func:`_pair_rotation`, norms
     tracked in closed form; only the pair products are reduced across lanes (8 sums per step); the
-    row swaps are register moves. Returns the eigenvalues ``[BP, S]`` (exact row norms^2)."""
+    row swaps are register moves. Returns the eigenvalues ``[BP, S]`` (exact row norms^2) and their
+    descending ranks."""
     tl.static_assert(S == 16, "the XOR pairings swap four row-index bits: S = 16")
     H: tl.constexpr = D // 2
     ii = tl.arange(0, S)
@@ -326,7 +327,7 @@ def _build_onesided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, basis_ptr, bscal
         coefs += cr[:, :, None] * (rr == r).to(tl.float32)[None, None, :]
         _store_basis_row(be, bo, ph, r, ok, j[None, :], basis_ptr, bscale_ptr, D, R)
     _store_coefs(coefs, ph, ok, s_idx, rr, coef_ptr, cscale_ptr, S, R)
-    return lam
+    return lam, rank
 
 
 @triton.jit
@@ -426,10 +427,9 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
         j = tl.arange(0, D // 2)
         de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S)
         if ROT == 5:
-            lam = _build_onesided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
-                                  cscale_ptr, BP, S, D, R)
+            lam, rank = _build_onesided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, basis_ptr, bscale_ptr,
+                                        coef_ptr, cscale_ptr, BP, S, D, R)
             if WRITE_EIG:
-                rank = _descending_rank(lam, tl.arange(0, S))
                 tl.store(eig_ptr + it[:, None].to(tl.int64) * S + rank, lam, mask=im[:, None])
         else:
             _build_twosided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, it, im, base, k_ptr, stride_ks, eig_ptr,
