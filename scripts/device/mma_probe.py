@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -77,9 +78,13 @@ def check() -> int:
     return fails
 
 
-def time_shapes(tokens: int, out: str) -> None:
+def time_shapes(tokens: int, out: str, sources: list[tuple[str, str]] | None = None, reps: int = 1) -> None:
+    """``sources``: (label, path) of CUDA sources to time side by side (default: the library's)."""
     from kvlocks.scoring import cuda_mma
     from kvlocks.scoring import triton as st
+
+    default_source = cuda_mma.SOURCE
+    sources = sources or [("library", str(default_source))]
 
     dev = torch.device("cuda")
     copy = copy_bandwidth(dev)
@@ -101,15 +106,19 @@ def time_shapes(tokens: int, out: str) -> None:
         ws_t["kernel"] = "packed"
         ref = [x.clone() for x in st.score_pages_paged(q, store, table, seq, workspace=ws_t)]
         emit(name="triton_packed", us=_time(lambda: st.score_pages_paged(q, store, table, seq, workspace=ws_t)))
-        for warps in (4,):
-            ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
-            ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=ppp)
-            fn = lambda ws=ws, warps=warps: cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps)  # noqa: E731
-            got = fn()
-            errs = [float((x[..., :pc] - y[..., :pc]).abs().max()) for x, y in zip(got, ref)]
-            emit(name="cuda_mma", warps=warps, ppp=ppp, us=_time(fn), max_err_vs_triton=errs)
-            if warps == 4:
-                emit(name="combine_only", us=_time(lambda: st._combine_launch(ws, seq, hkv, g, pc, 16, "mean_share")))
+        warps = 4
+        ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
+        ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=ppp)
+        fn = lambda: cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps)  # noqa: E731
+        for rep in range(reps):  # sources interleaved: A B A B ...
+            for label, path in sources:
+                cuda_mma.SOURCE = Path(path)
+                got = fn()
+                errs = [float((x[..., :pc] - y[..., :pc]).abs().max()) for x, y in zip(got, ref)]
+                emit(name="cuda_mma", source=label, rep=rep, warps=warps, ppp=ppp, us=_time(fn),
+                     max_err_vs_triton=errs)
+        cuda_mma.SOURCE = default_source
+        emit(name="combine_only", us=_time(lambda: st._combine_launch(ws, seq, hkv, g, pc, 16, "mean_share")))
         emit(name="load_only", us=_time(lambda: _load_launch(store, table[0], hkv, pc, 16, 4, 512)))
 
 
@@ -134,6 +143,9 @@ def main() -> None:
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--tokens", type=int, default=1 << 20)
     ap.add_argument("--out", default="mma_probe.jsonl")
+    ap.add_argument("--sources", default=None,
+                    help="LABEL=PATH,...: CUDA score sources timed side by side, interleaved (default: the library's)")
+    ap.add_argument("--reps", type=int, default=1, help="rounds of the interleaved --sources timings")
     ap.add_argument("--ncu", default=None, help="SHAPE:WARPS: three launches of the CUDA kernel, for Nsight Compute")
     args = ap.parse_args()
     if args.ncu:
@@ -141,7 +153,8 @@ def main() -> None:
         return
     fails = check() if args.check else 0
     if args.time:
-        time_shapes(args.tokens, args.out)
+        sources = [tuple(x.split("=", 1)) for x in args.sources.split(",")] if args.sources else None
+        time_shapes(args.tokens, args.out, sources, args.reps)
     sys.exit(1 if fails else 0)
 
 

@@ -18,7 +18,10 @@
    the pairs of step m as (i, i XOR m) (215 / 191 instructions per step; see ``_jacobi_xor``), and
    ``onesided`` (:func:`_build_onesided`): no Gram, the rows of the centred keys rotated until
    orthogonal, the row swaps register moves and 40 butterfly shuffles per step the only exchange
-   (the Gram solvers: 67 shared-memory/shuffle operations per step, which may be what binds them);
+   (the Gram solvers: 67 shared-memory/shuffle operations per step). Measured on the H200 (session
+   12): 3.52 / 2.20 s, 3x lean: instruction-fetch bound (its 15 unrolled steps miss the instruction
+   cache; Nsight Compute) and 1.5x lean's instructions; kept, off, as the solver that reproduces the
+   float64 reference exactly on pages where lean is near the test tolerance;
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
@@ -244,16 +247,11 @@ def _pair_rotation(app, aqq, apq):
 
 
 @triton.jit
-def _high_bit(M: tl.constexpr):
-    """Index of the highest set bit of a compile-time 1 <= M < 16."""
-    return 3 if M >= 8 else (2 if M >= 4 else (1 if M >= 2 else 0))
-
-
-@triton.jit
 def _pairs_of(x, M: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H: tl.constexpr):
     """The pairs (i, i ^ M) of rows of ``x [BP, S, H]``: the first rows (bit KH of i, the highest bit
     of M, is 0) and their partners, each ``[BP, S/2, H]`` in the same order."""
-    KH: tl.constexpr = _high_bit(M)
+    KH: tl.constexpr = (M >= 2) + (M >= 4) + (M >= 8)  # highest set bit of 1 <= M < 16 (a call returning
+    # a constant is not a constexpr in Triton 3.6)
     first, _ = _split_bit(x, KH, BP, S, H)
     second, _ = _split_bit(_xor_rows(x, M, BP, S, H), KH, BP, S, H)
     return tl.reshape(first, (BP, S // 2, H)), tl.reshape(second, (BP, S // 2, H))
@@ -264,7 +262,8 @@ def _unpair(first, second, M: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, H
     """Inverse of :func:`_pairs_of`: rows back in their places. A partner i ^ M sits in the half with
     bit KH set at the place of i ^ (1 << KH); the rest of M (bits below KH, the same bits in the
     half's own row index) moves it there."""
-    KH: tl.constexpr = _high_bit(M)
+    KH: tl.constexpr = (M >= 2) + (M >= 4) + (M >= 8)  # highest set bit of 1 <= M < 16 (a call returning
+    # a constant is not a constexpr in Triton 3.6)
     hi: tl.constexpr = S // (2 << KH)
     second = _xor_rows(second, M ^ (1 << KH), BP, S // 2, H)
     return _join_bit(tl.reshape(first, (BP, hi, 1 << KH, H)), tl.reshape(second, (BP, hi, 1 << KH, H)), KH, BP, S, H)
