@@ -18,10 +18,11 @@
    the pairs of step m as (i, i XOR m) (215 / 191 instructions per step; see ``_jacobi_xor``), and
    ``onesided`` (:func:`_build_onesided`): no Gram, the rows of the centred keys rotated until
    orthogonal, the row swaps register moves and 40 butterfly shuffles per step the only exchange
-   (the Gram solvers: 67 shared-memory/shuffle operations per step). Measured on the H200 (session
-   12): 3.52 / 2.20 s, 3x lean: instruction-fetch bound (its 15 unrolled steps miss the instruction
-   cache; Nsight Compute) and 1.5x lean's instructions; kept, off, as the solver that reproduces the
-   float64 reference exactly on pages where lean is near the test tolerance;
+   (the Gram solvers: 67 shared-memory/shuffle operations per step). H200, llama3-8b at 1M (session
+   12): with Triton 3.9 it ties lean (1.104 vs 1.094 s); with Triton 3.6, whose layout conversions
+   turn the row swaps into shared-memory traffic (2.6x lean's instructions), it is 3x slower (3.52 s).
+   Kept, off: it reproduces the float64 reference exactly on pages where lean is near the test
+   tolerance;
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
