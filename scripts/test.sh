@@ -6,7 +6,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
-.venv/bin/python -m pytest -q "$@"
+bash scripts/setup_device_triton.sh || exit $?
+# the sm_90 compile test also runs with the GPU image's Triton (above); here it may not skip
+KVLOCKS_REQUIRE_DEVICE_TRITON=1 .venv/bin/python -m pytest -q "$@"
 main=$?
 if [ "${KVLOCKS_SKIP_VLLM:-0}" = 1 ]; then
   echo "kvlocks: vLLM suite skipped (KVLOCKS_SKIP_VLLM=1)"
