@@ -40,8 +40,10 @@ KV_WRITE_IN_PIECE = True
 # with every max_context: left static, each size is another compile, and past Dynamo's recompile
 # limit (8) the piece runs eagerly (seen on the H200, session 11: the e2e bench's 9th and 10th cache
 # sizes were 7% slower dense, 20% LOCKS). Marked dynamic, one graph serves every size; a symbolic
-# row count only moves the writes' bounds. Not yet timed against static rows on a GPU
-# (select_ab.py --modes defaults11,static_cache_rows).
+# row count only moves the writes' bounds. Timed against static rows on the H200 (session 12,
+# select_ab.py --modes defaults11,static_cache_rows, GLM-4-9B, ms dynamic / static): dense 1M 29.32 /
+# 29.33, LOCKS 1M 10.86 / 10.87, dense 32K 6.79 / 6.79, LOCKS 32K 7.01 / 6.89 (one run each; that row's
+# run-to-run spread in session 11 was 7.03-7.08).
 DYNAMIC_CACHE_ROWS = True
 # torch.compile mode of the two pieces: None (default) or "max-autotune-no-cudagraphs", which lets
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 13's first call (~6 min). Open questions of session 12:
+# 1. the build with Triton 3.9 (what users install; 1.094 s for llama3-8b at 1M, target < 1 s): do
+#    register caps (more resident warps: both solvers run 2 warps per scheduler, latency-bound) help?
+#    Cubins compiled on the CPU host beforehand (~3 min):
+#      PYTHONPATH=src .venv/bin/python scripts/device/cubin_probe.py --compile .device/cubins13 \
+#          --variants lean,onesided,lean:128,onesided:128,onesided:168
+# 2. GLM-4-9B at 32K: the kernel grid puts LOCKS's kernels below dense's there (bench_kernels.json:
+#    16K 27.5 vs 23.5 us, 64K 33.0 vs 52.8 us per layer), yet its TPOT is 0.98x dense's: the step
+#    profile (kernel classes and the time with no kernel running) says where the rest goes.
+# Usage on the device (carry .device/cubins13): bash scripts/device/pending13.sh "$OUT"
+set -u
+out=${1:?output folder}
+export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=$PWD/src
+timeout 120 python scripts/device/cubin_probe.py --time .device/cubins13 --out "$out/cubin.jsonl" > "$out/cubin.txt" 2>&1
+echo "cubin exit $?"
+python3 - "$out/cubin.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["file"], round(r["layer_ms"], 2), round(r["model_s"], 3), f"{r['recon_diff_vs_first']:.2e}")
+PY
+for ctx in 32768 1048576; do
+    timeout 150 python scripts/device/step_profile.py --model glm4-9b-1m --context $ctx --compile \
+        --out "$out/profile_glm_$ctx.json" > "$out/profile_glm_$ctx.txt" 2>&1
+    echo "profile $ctx exit $?"
+    tail -25 "$out/profile_glm_$ctx.txt"
+done
