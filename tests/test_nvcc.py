@@ -54,3 +54,19 @@ def test_six_blocks_variant_only_where_compiled():
     with pytest.raises(ValueError, match="allowed 1 or 6"):
         cuda_mma.variant_min_blocks(128, 4, 4, 5)
 
+
+
+@needs_nvcc
+def test_score_kernel_chains_variant_compiles_and_bad_values_are_refused(tmp_path, monkeypatch):
+    """KVLOCKS_SCORE_CHAINS (the projections' accumulator chains, a variant timed on the GPU by
+    scripts/device/mma_probe.py --sources): 4 compiles; any value but 2 or 4 stops the build with the
+    static_assert's message."""
+    monkeypatch.setenv("KVLOCKS_CACHE", str(tmp_path))
+    text = cuda_mma.SOURCE.read_text()
+    four = tmp_path / "score_chains4.cu"
+    four.write_text("#define KVLOCKS_SCORE_CHAINS 4\n" + text)
+    assert hasattr(ctypes.CDLL(str(_nvcc.compile_library(four, "sm_90"))), "kvlocks_score_mma")
+    three = tmp_path / "score_chains3.cu"
+    three.write_text("#define KVLOCKS_SCORE_CHAINS 3\n" + text)
+    with pytest.raises(_nvcc.NvccUnavailable, match="KVLOCKS_SCORE_CHAINS: 2 or 4"):
+        _nvcc.compile_library(three, "sm_90")

@@ -144,16 +144,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1 << 20)
     ap.add_argument("--out", default="mma_probe.jsonl")
     ap.add_argument("--sources", default=None,
-                    help="LABEL=PATH,...: CUDA score sources timed side by side, interleaved (default: the library's)")
+                    help="LABEL=PATH,...: CUDA score sources checked, and timed side by side, interleaved "
+                         "(default: the library's)")
     ap.add_argument("--reps", type=int, default=1, help="rounds of the interleaved --sources timings")
     ap.add_argument("--ncu", default=None, help="SHAPE:WARPS: three launches of the CUDA kernel, for Nsight Compute")
     args = ap.parse_args()
     if args.ncu:
         ncu_target(args.ncu, args.tokens)
         return
-    fails = check() if args.check else 0
+    sources = [tuple(x.split("=", 1)) for x in args.sources.split(",")] if args.sources else None
+    fails = 0
+    if args.check:  # every source against the torch reference
+        from kvlocks.scoring import cuda_mma
+
+        default_source = cuda_mma.SOURCE
+        for label, path in sources or [("library", str(default_source))]:
+            print("source:", label, flush=True)
+            cuda_mma.SOURCE = Path(path)
+            fails += check()
+        cuda_mma.SOURCE = default_source
     if args.time:
-        sources = [tuple(x.split("=", 1)) for x in args.sources.split(",")] if args.sources else None
         time_shapes(args.tokens, args.out, sources, args.reps)
     sys.exit(1 if fails else 0)
 

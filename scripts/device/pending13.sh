@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13's first call (~6 min). Open questions of session 12:
+# Session 13's first call (~9 min). Open questions of session 12:
 # 1. the build with Triton 3.9 (what users install; 1.094 s for llama3-8b at 1M, target < 1 s): do
 #    register caps (more resident warps: both solvers run 2 warps per scheduler, latency-bound) help?
 #    Cubins compiled on the CPU host beforehand (~3 min):
@@ -26,3 +26,18 @@ for ctx in 32768 1048576; do
     echo "profile $ctx exit $?"
     tail -25 "$out/profile_glm_$ctx.txt"
 done
+# 3. the CUDA score kernel with four accumulator chains per page pair instead of two (half the
+#    dependent-MMA depth; Nsight Compute, session 12: 20% of its stall samples are fixed-latency
+#    waits), checked against the torch reference and timed side by side with the default, interleaved
+{ echo '#define KVLOCKS_SCORE_CHAINS 4'; cat src/kvlocks/scoring/score_mma.cu; } > /tmp/score_chains4.cu
+timeout 200 python scripts/device/mma_probe.py --check --time --reps 3 \
+    --sources chains2=src/kvlocks/scoring/score_mma.cu,chains4=/tmp/score_chains4.cu --out "$out/chains.jsonl" \
+    > "$out/chains.txt" 2>&1
+echo "chains exit $?"
+grep -E "FAIL|FAILURES|source:" "$out/chains.txt" | tail -6
+python3 - "$out/chains.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r["shape"], r["name"], r.get("source", ""), r.get("rep", ""), round(r["us"], 2), round(r["pct_copy"], 1))
+PY

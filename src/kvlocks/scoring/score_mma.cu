@@ -40,6 +40,14 @@ constexpr int S = 16;      // page size (keys per page)
 constexpr int R = 8;       // summary rank
 constexpr int TILE = 16;   // pages per warp iteration
 constexpr unsigned FULL = 0xffffffffu;
+// Accumulator chains of a page pair's projection MMAs (k-steps dealt round-robin): 2, or 4 for
+// half the dependent-MMA depth at 8 more registers per n-tile (a variant for side-by-side timing:
+// scripts/device/mma_probe.py --sources, with the define prepended to a copy of this file).
+#ifndef KVLOCKS_SCORE_CHAINS
+#define KVLOCKS_SCORE_CHAINS 2
+#endif
+constexpr int CHAINS = KVLOCKS_SCORE_CHAINS;
+static_assert(CHAINS == 2 || CHAINS == 4, "KVLOCKS_SCORE_CHAINS: 2 or 4");
 constexpr float LN2 = 0.6931471805599453f;
 
 __device__ __forceinline__ void mma16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -253,12 +261,15 @@ __device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const GroupSlot<
   float mx[4][NT][2];
 #pragma unroll
   for (int pr = 0; pr < 2; ++pr) {
-    // two accumulator chains (even / odd k-steps) for the tensor pipe's latency
-    float acc[NT][4], acc2[NT][4];
+    // CHAINS accumulator chains (k-step t into chain t % CHAINS) for the tensor pipe's latency
+    float acc[CHAINS][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int ch = 0; ch < CHAINS; ++ch) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[nt][i] = 0.f;
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[ch][nt][i] = 0.f;
+      }
     }
     uint32_t b0[Chunk<D>::W], b1[Chunk<D>::W];
     const int at = w.gid * (D / 2) + w.c * (D / 8);  // this lane's bytes of basis row gid
@@ -271,14 +282,18 @@ __device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const GroupSlot<
       int4_word_to_subnormal(b1[u], x1);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        mma16(acc[nt], x0[0], x1[0], x0[1], x1[1], w.qf[nt][2 * u][0], w.qf[nt][2 * u][1]);
-        mma16(acc2[nt], x0[2], x1[2], x0[3], x1[3], w.qf[nt][2 * u + 1][0], w.qf[nt][2 * u + 1][1]);
+        mma16(acc[(2 * u) % CHAINS][nt], x0[0], x1[0], x0[1], x1[1], w.qf[nt][2 * u][0], w.qf[nt][2 * u][1]);
+        mma16(acc[(2 * u + 1) % CHAINS][nt], x0[2], x1[2], x0[3], x1[3], w.qf[nt][2 * u + 1][0],
+              w.qf[nt][2 * u + 1][1]);
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int ch = 1; ch < CHAINS; ++ch) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[nt][i] += acc2[nt][i];
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][nt][i] += acc[ch][nt][i];
+      }
     }
 #pragma unroll
     for (int pg = 0; pg < 2; ++pg) {
@@ -291,7 +306,7 @@ __device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const GroupSlot<
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         // projections of this page (basis row gid, heads 2c, 2c+1) -> float16 hi + lo -> B fragments
-        const float y0 = (acc[nt][2 * pg] - w.off[nt][0]) * bs, y1 = (acc[nt][2 * pg + 1] - w.off[nt][1]) * bs;
+        const float y0 = (acc[0][nt][2 * pg] - w.off[nt][0]) * bs, y1 = (acc[0][nt][2 * pg + 1] - w.off[nt][1]) * bs;
         const uint32_t hi = pack_half2(y0, y1);
         const float2 hf = unpack_half2(hi);
         const uint32_t lo = pack_half2(y0 - hf.x, y1 - hf.y);
