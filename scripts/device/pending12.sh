@@ -26,13 +26,7 @@ export PYTHONPATH=$PWD/src
 timeout 100 python scripts/device/build_probe.py --variants lean:1:1,onesided:1:1,onesided:2:2,onesided:auto:0 \
     --out "$out/build.jsonl" > /dev/null 2> "$out/build.err"
 echo "build probe exit $?"
-python3 - "$out/build.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["shape"], r.get("rotation"), r.get("auto") or f"{r['BP']}x{r['num_warps']}", round(r["layer_ms"], 2),
-          round(r["model_s"], 3), f"{r['recon_diff_vs_first']:.2e}", round(r["recon_err_vs_keys"], 6))
-PY
+python3 scripts/device/show_jsonl.py "$out/build.jsonl" shape rotation BP num_warps auto layer_ms model_s recon_diff_vs_first recon_err_vs_keys
 timeout 150 bash scripts/device/pending10d.sh "$out/ncu" > "$out/ncu.txt" 2>&1
 echo "ncu exit $?"
 tail -30 "$out/ncu.txt"

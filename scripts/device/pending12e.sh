@@ -15,9 +15,4 @@ timeout 200 python scripts/device/mma_probe.py --time --reps 3 \
     --sources s11=.device/prev/score_mma_s11.cu,new=src/kvlocks/scoring/score_mma.cu --out "$out/time.jsonl" \
     > "$out/time.txt" 2>&1
 echo "time exit $?"
-python3 - "$out/time.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["shape"], r["name"], r.get("source", ""), r.get("rep", ""), round(r["us"], 2), round(r["pct_copy"], 1))
-PY
+python3 scripts/device/show_jsonl.py "$out/time.jsonl" shape name source rep us pct_copy

@@ -14,12 +14,7 @@ out=${1:?output folder}
 export PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=$PWD/src
 timeout 120 python scripts/device/cubin_probe.py --time .device/cubins13 --out "$out/cubin.jsonl" > "$out/cubin.txt" 2>&1
 echo "cubin exit $?"
-python3 - "$out/cubin.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["file"], round(r["layer_ms"], 2), round(r["model_s"], 3), f"{r['recon_diff_vs_first']:.2e}")
-PY
+python3 scripts/device/show_jsonl.py "$out/cubin.jsonl" file layer_ms model_s recon_diff_vs_first
 for ctx in 32768 1048576; do
     timeout 150 python scripts/device/step_profile.py --model glm4-9b-1m --context $ctx --compile \
         --out "$out/profile_glm_$ctx.json" > "$out/profile_glm_$ctx.txt" 2>&1
@@ -35,9 +30,4 @@ timeout 200 python scripts/device/mma_probe.py --check --time --reps 3 \
     > "$out/chains.txt" 2>&1
 echo "chains exit $?"
 grep -E "FAIL|FAILURES|source:" "$out/chains.txt" | tail -6
-python3 - "$out/chains.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["shape"], r["name"], r.get("source", ""), r.get("rep", ""), round(r["us"], 2), round(r["pct_copy"], 1))
-PY
+python3 scripts/device/show_jsonl.py "$out/chains.jsonl" shape name source rep us pct_copy
