@@ -24,12 +24,9 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 
-SIGNATURE = {"k_ptr": "*bf16", "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "ids_ptr": "*i32",
-             "n_items": "i32", "Hkv": "i32", "bt_ptr": "*i32", "stride_bt": "i32", "basis_ptr": "*u8",
-             "bscale_ptr": "*fp16", "coef_ptr": "*i8", "cscale_ptr": "*fp16", "cen_ptr": "*i8",
-             "censcale_ptr": "*fp16", "eig_ptr": "*fp32", "n_sweeps": "i32", "floor2": "fp32"}
 DIVISIBLE = {"stride_kp", "stride_ks", "stride_kh", "n_items"}  # multiples of 16 at the probe's sizes
 
 
@@ -39,6 +36,9 @@ def compile_cubins(out: Path, variants: list[str]) -> None:
     from triton.compiler import ASTSource
 
     from kvlocks.summary import triton as bt
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
+    from build_sass import SIGNATURE  # the build kernel's signature (scripts/analysis/build_sass.py)
 
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "manifest.json"
