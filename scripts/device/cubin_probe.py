@@ -87,6 +87,9 @@ def time_cubins(folder: Path, tokens: int, reps: int, out: str) -> None:
     check = torch.arange(0, pages, max(1, pages // 2048), device=dev)
     kc = k[check].float().permute(2, 0, 1, 3)
     n_items = pages * hkv
+    for name, value in (("n_items", n_items), *((f"stride {i}", k.stride(i)) for i in range(3))):
+        if value % 16:  # compiled as 16-divisible (DIVISIBLE): anything else would be silently wrong
+            raise SystemExit(f"--tokens {tokens}: {name} = {value} is not a multiple of 16, as the cubins assume")
     ref = None
     for e in json.loads((folder / "manifest.json").read_text()):
         fn = cupy.RawModule(path=str(folder / e["file"])).get_function(e["name"])
