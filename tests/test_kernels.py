@@ -197,6 +197,17 @@ def test_cuda_score_kernel_matches_reference(g, d, dtype, factor):
         got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale, workspace=ws)
         exp = score_pages(q, store, table, seq, backend="torch", scale=scale)
         _assert_scores_match(got, exp, seq)
+    # launches of at most one tile per warp run the one-tile variant (three group slots; D = 128 with
+    # G > 8 has none): the same scores and statistics, bit for bit, as the double-buffered kernel
+    for ppp in (16, 48, 64):
+        outs = []
+        for one_tile in (True, False):
+            ws = score_tri.score_workspace(len(seq), 2, g, table.shape[1], q.device, ppp)
+            ws["one_tile"] = one_tile
+            got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale, workspace=ws)
+            outs.append([t.clone() for t in got] + [ws["stats"].clone()])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
 
 
 def test_cuda_score_kernel_rejects_unsupported_inputs():
@@ -269,6 +280,7 @@ FUSED_CASES = [  # (token counts, G, combine rule, pages per program or None = d
     ("c", 4, "mean_share", None, 6, 1, 1, False), ("c", 3, "max_share", 32, 9, 2, 2, True),
     ("d", 8, "sum_mass", 64, 20, 1, 1, False), ("b", 16, "mean_share", 16, 3, 0, 1, False),
     ("d", 1, "mean_share", None, 300, 1, 1, False), ("e", 4, "mean_share", 16, 12, 1, 2, True),
+    ("e", 2, "mean_share", 16, 40, 1, 1, False),  # fewer pages per program than pages to choose
 ]
 
 
@@ -445,18 +457,18 @@ def test_build_matches_reference(d, dtype, rank, rotation, finish):
 
 
 @pytest.mark.skipif(not CUDA, reason="register caps are a CUDA compile option (GPU runs: scripts/device/pending10.sh)")
-@pytest.mark.parametrize("finish", ["loop", "dots"])
-def test_build_with_register_cap_equals_uncapped(finish):
-    """A register cap (``maxnreg``, as in the tuner's capped launches) changes register allocation
-    only: the same summaries bit for bit."""
+@pytest.mark.parametrize("rotation,finish", [("lean", "loop"), ("lean", "dots"), ("onesided", "loop")])
+def test_build_with_register_cap_equals_uncapped(rotation, finish):
+    """A register cap (``maxnreg``, as in the tuner's capped launches and the one-sided default
+    launch) changes register allocation only: the same summaries bit for bit."""
     _, k, _, _, _ = make_paged([64 * 1024], 8, 1, 128, BF16, seed=5)
     ids = torch.arange(k.shape[0], dtype=torch.int32, device=DEV)
     cfg = LocksConfig()
     stores = []
-    for launch in ({"BP": 1, "num_warps": 1}, {"BP": 1, "num_warps": 1, "maxnreg": 128},
-                   {"BP": 1, "num_warps": 1, "maxnreg": 144}):
+    caps = (128, 144) if rotation == "lean" else (build_tri.ONESIDED_LAUNCH["maxnreg"],)
+    for launch in ({"BP": 1, "num_warps": 1}, *({"BP": 1, "num_warps": 1, "maxnreg": m} for m in caps)):
         store = PagedSummaries.empty(k.shape[0], 8, 128, cfg, device=DEV)
-        build_tri.build_pages(k, store, ids, launch=launch, finish=finish)
+        build_tri.build_pages(k, store, ids, launch=launch, finish=finish, rotation=rotation)
         stores.append(store)
     for other in stores[1:]:
         for name in ("basis", "basis_scale", "coef", "coef_scale", "centroid", "centroid_scale"):

@@ -4,10 +4,10 @@ Session 13's step profile (GLM-4-9B, 32K, compiled, per layer): score kernel 10.
 selection 10.7 us, though the summaries are 6.7 MB (1.6 us at copy bandwidth) and the pages 2K.
 Both are latency-bound there. This times, CUDA-graph replayed (``score_probe._time``), batch 1:
 
-- the CUDA score kernel at pages per program 64-512 and 2 or 4 warps (the default launch sizes
-  programs for one wave of resident blocks, which at 32K is one 16-page tile per warp);
-- the load-only kernel (the summaries' bytes, no math) at the same launch sizes;
-- the fused combine + selection at 256-4096 pages per program and 4 / 8 / 16 warps;
+- the CUDA score kernel at 64 pages per program (one 16-page tile per warp: the default launch
+  at 16K-64K), with and without its one-tile variant, and at 128;
+- the load-only kernel (the summaries' bytes, no math) at 64, 128 and 512 pages per program;
+- the fused combine + selection at 512, 1024, 2048 pages per program and the default;
 - one empty launch (the graph's per-kernel floor).
 
 JSON lines to ``--out``.
@@ -36,7 +36,7 @@ from score_probe import _load_launch, _time  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="glm4-9b-1m,llama3-8b")
-    ap.add_argument("--contexts", default="16384,32768,65536")
+    ap.add_argument("--contexts", default="16384,32768,65536,131072")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -60,34 +60,30 @@ def main() -> None:
             default_ppp = cuda_mma.pages_per_program(p, hkv, dev, d, g)
             sw = score_workspace(1, hkv, g, p, dev)
             score_pages_paged(q, case.store, tbl, seq, workspace=sw, rank=False)
-            for warps in (2, 4):
-                for ppp in (32, 64, 128, 256, 512):
-                    if ppp % (16 * warps):
-                        continue
-                    ws = score_workspace(1, hkv, g, p, dev, pages_per_program=ppp)
-                    fn = lambda ws=ws, w=warps: cuda_mma.score_pages_mma(q, case.store, tbl, seq, workspace=ws,  # noqa: E731
-                                                                         warps=w)
-                    got = fn()[0]
-                    err = float((got[..., :p] - sw["scores"][..., :p]).abs().max())
-                    emit(kind="score", **base, warps=warps, ppp=ppp, default=ppp == default_ppp and warps == 4,
-                         programs=ws["n_chunks"] * hkv, us=_time(fn, n_graph=args.reps), max_err=err)
+            for ppp, one_tile in ((64, True), (64, False), (128, True)):
+                ws = score_workspace(1, hkv, g, p, dev, pages_per_program=ppp)
+                ws["one_tile"] = one_tile  # the one-tile variant runs where ppp <= 64 (4 warps)
+                fn = lambda ws=ws: cuda_mma.score_pages_mma(q, case.store, tbl, seq, workspace=ws)  # noqa: E731
+                got = fn()[0]
+                err = float((got[..., :p] - sw["scores"][..., :p]).abs().max())
+                emit(kind="score", **base, warps=4, ppp=ppp, one_tile=one_tile,
+                     default=ppp == default_ppp and one_tile, programs=ws["n_chunks"] * hkv,
+                     us=_time(fn, n_graph=args.reps), max_err=err)
             for ppp in (64, 128, 512):
                 emit(kind="load_only", **base, ppp=ppp,
                      us=_time(lambda ppp=ppp: _load_launch(case.store, tbl[0], hkv, p, 16, 4, ppp), n_graph=args.reps))
             sel = dict(page_size=c.page_size, k=k, sink_pages=c.sink_pages, recent_pages=c.recent_pages)
             ref = None
-            for chunk in sorted({256, 512, 1024, 2048, 4096, default_fused_chunk(p)}):
+            for chunk in sorted({512, 1024, 2048, default_fused_chunk(p)}):
                 if chunk > 2 * triton_next_pow2(p):
                     continue
-                for warps in (4, 8, 16):
-                    fw = fused_workspace(1, hkv, p, k, dev, chunk=chunk)
-                    fw["num_warps"] = warps
-                    out = rank_and_select(sw, seq, workspace=fw, **sel).clone()
-                    ref = out if ref is None else ref
-                    emit(kind="select", **base, chunk=chunk, warps=warps, n_chunks=fw["n_chunks"],
-                         default=chunk == default_fused_chunk(p) and warps == default_warps(chunk),
-                         same_pages=bool(torch.equal(out, ref)),
-                         us=_time(lambda fw=fw: rank_and_select(sw, seq, workspace=fw, **sel), n_graph=args.reps))
+                fw = fused_workspace(1, hkv, p, k, dev, chunk=chunk)
+                out = rank_and_select(sw, seq, workspace=fw, **sel).clone()
+                ref = out if ref is None else ref
+                emit(kind="select", **base, chunk=chunk, warps=default_warps(chunk, fw["n_chunks"]),
+                     n_chunks=fw["n_chunks"], default=chunk == default_fused_chunk(p),
+                     same_pages=bool(torch.equal(out, ref)),
+                     us=_time(lambda fw=fw: rank_and_select(sw, seq, workspace=fw, **sel), n_graph=args.reps))
             del case
 
 

@@ -285,11 +285,14 @@ def _tuned_score_config() -> str | None:
 
 
 def _tuned_build_config() -> str | None:
-    """The launch configuration the bulk build kernel's autotuner chose last (None on the CPU)."""
-    from kvlocks.summary.triton import _build_tuned
+    """The bulk build's rotation and launch: the fixed one-sided launch, or the configuration the
+    autotuner chose last for the Gram solvers (None on the CPU or before a build)."""
+    from kvlocks.summary import triton as bt
 
-    best = getattr(_build_tuned, "best_config", None)
-    return None if best is None else str(best)
+    if bt.ROTATION == "onesided":
+        return f"onesided {bt.ONESIDED_LAUNCH}"
+    best = getattr(bt._build_tuned, "best_config", None)
+    return None if best is None else f"{bt.ROTATION} {best}"
 
 
 def _n_rot(shape, n, bsz, cfg, l2_bytes):

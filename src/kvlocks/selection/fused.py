@@ -32,16 +32,17 @@ from kvlocks.selection.triton import (
     _forced, _orderkey, check_select_args, chunk_winners, merge_meta, merge_row, select_workspace,
 )
 
-SINGLE_MAX = 2048  # rows of at most this many pages are selected by one program (no merge radix)
+SINGLE_MAX = 1536  # rows of at most this many pages are selected by one program (no merge radix)
 UNROLL_HEADS = True  # workspace["unroll_heads"] overrides (a probe option)
 
 
-def default_warps(chunk: int) -> int:
-    """Warps per program: 16 from 2048 pages per program, else 8. On the H200
-    (``scripts/device/plan_probe.py``, glm4-9b-1m shape, batch 1, right after the score kernel, so
-    the per-head scores come from DRAM): 1M tokens (4096 pages per program) 63 us at 8 warps, 38 at
-    16, 121 at 4; 256K (2048) 26 -> 21; at 16K-32K the warp count changes < 1 us."""
-    return 16 if chunk >= 2048 else 8
+def default_warps(chunk: int, n_chunks: int = 2) -> int:
+    """Warps per program: 16 from 2048 pages per program when a row has several programs, else 8.
+    On the H200 (``scripts/device/plan_probe.py``, glm4-9b-1m shape, batch 1, right after the score
+    kernel, so the per-head scores come from DRAM): 1M tokens (4096 pages per program) 63 us at 8
+    warps, 38 at 16, 121 at 4; 256K (2048) 26 -> 21. A row's single program of 2048 (16K tokens
+    plus decode room) is faster at 8 (``small_ctx_probe.py``, session 13: 8.14 vs 8.80 us)."""
+    return 16 if chunk >= 2048 and n_chunks > 1 else 8
 
 
 @triton.jit
@@ -124,15 +125,18 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
 
 
 def default_fused_chunk(max_pages: int) -> int:
-    """Pages per program. Measured end to end on the H200 (``scripts/device/select_ab.py``,
-    GLM-4-9B shape, batch 1, against the unfused path on the same machine): one program per row up
-    to SINGLE_MAX pages (16K tokens: +0.8%, noise), 1024 up to 4096 pages (32K: -1.1/-1.4%; 2048
-    there: +2.1%), 2048 below 32768 (64K -2.7%, 128K -1.8%, 256K -0.3%; 1024 at 128K: +2.3/+3.2%),
-    then 4096 (1M: -2.2/-3.4%)."""
+    """Pages per program. One program per row up to SINGLE_MAX pages, 512 up to 5120 (80K tokens),
+    2048 below 32768, then 4096. On the H200, batch 1, the selection alone after the score kernel
+    (``scripts/device/small_ctx_probe.py``, session 13, us glm4-9b-1m / llama3-8b): 16K (1024 pages)
+    one program 8.11 / 7.96, 512 per program 8.97 / 8.31; 32K (2048) one program 10.96 / 10.04,
+    1024 10.61 / 9.79, 512 9.43 / 8.78; 64K (4096) 2048 12.63 / 11.77, 1024 11.47 / 10.27, 512
+    10.31 / 10.30. From 128K, end to end (``scripts/device/select_ab.py``, GLM-4-9B shape, against
+    the unfused path, session 10): 2048 at 64K -2.7%, 128K -1.8% (1024 there +2.3/+3.2%), 256K -0.3%;
+    4096 at 1M -2.2/-3.4%."""
     if max_pages <= SINGLE_MAX:
         return max(16, triton.next_power_of_2(max_pages))
-    if max_pages <= 4096:
-        return 1024
+    if max_pages <= 5120:
+        return 512
     return 2048 if max_pages < 32768 else 4096
 
 
@@ -176,6 +180,6 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
         S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws["chunk"], GP=score_ws["stats"].shape[-1],
         RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None,
         GU=g if ws.get("unroll_heads", UNROLL_HEADS) else 0, **merge_meta(ws, k, sink_pages, recent_pages),
-        num_warps=ws.get("num_warps") or default_warps(ws["chunk"]),
+        num_warps=ws.get("num_warps") or default_warps(ws["chunk"], ws["n_chunks"]),
     )
     return ws["out"]

@@ -8,21 +8,21 @@
 2. cyclic parallel Jacobi on the Gram: each step rotates the S/2 disjoint pairs of a round-robin
    tournament (partner(i) = (2t - i) mod (S-1), with S-1 meeting t), the rotations applied as
    ``A <- J^T A J`` and ``V <- V J`` through ``tl.gather`` of the partner rows/columns; a sweep is
-   S-1 steps and meets every pair once. Three variants (``ROTATIONS``, same rotations, results
-   equal up to float32 rounding): ``lean`` (the default: diagonal tracked in closed form, one
-   reduction per step, 284 SASS instructions per thread per step for sm_90), ``gathers`` (four
-   masked reductions per step, 468) and ``dots`` (rotations as tf32x3 batched dots, 733). H200,
-   whole model at 1M (``scripts/device/build_probe.py``): lean 1.18 s (llama3-8b) / 0.75 s
-   (glm4-9b-1m) at 1 item x 1 warp per program (the autotuner's pick), 1.76 / 1.11 s at 2 x 2;
-   gathers 2.51 / 1.57 s, dots 2.29 / 1.44 s at 4 x 4. Prepared, off: ``xor`` / ``xor_unrolled``,
-   the pairs of step m as (i, i XOR m) (215 / 191 instructions per step; see ``_jacobi_xor``), and
-   ``onesided`` (:func:`_build_onesided`): no Gram, the rows of the centred keys rotated until
-   orthogonal, the row swaps register moves and 40 butterfly shuffles per step the only exchange
-   (the Gram solvers: 67 shared-memory/shuffle operations per step). H200, llama3-8b at 1M (session
-   12): with Triton 3.9 it ties lean (1.104 vs 1.094 s); with Triton 3.6, whose layout conversions
-   turn the row swaps into shared-memory traffic (2.6x lean's instructions), it is 3x slower (3.52 s).
-   Kept, off: it reproduces the float64 reference exactly on pages where lean is near the test
-   tolerance;
+   S-1 steps and meets every pair once. Variants (``ROTATIONS``, same rotations, results equal up to
+   float32 rounding): ``lean`` (diagonal tracked in closed form, one reduction per step, 284 SASS
+   instructions per thread per step for sm_90), ``gathers`` (four masked reductions per step, 468)
+   and ``dots`` (rotations as tf32x3 batched dots, 733). H200, whole model at 1M
+   (``scripts/device/build_probe.py``, Triton 3.6): lean 1.18 s (llama3-8b) / 0.75 s (glm4-9b-1m) at
+   1 item x 1 warp per program (the autotuner's pick), 1.76 / 1.11 s at 2 x 2; gathers 2.51 / 1.57 s,
+   dots 2.29 / 1.44 s at 4 x 4. Prepared, off: ``xor`` / ``xor_unrolled``, the pairs of step m as
+   (i, i XOR m) (215 / 191 instructions per step; see ``_jacobi_xor``). And ``onesided``
+   (:func:`_build_onesided`): no Gram, the rows of the centred keys rotated until orthogonal, the
+   row swaps register moves and 40 butterfly shuffles per step the only exchange (the Gram solvers:
+   67 shared-memory/shuffle operations per step); it reproduces the float64 reference exactly on
+   pages where lean is near the test tolerance. The default (``ROTATION``) is ``onesided`` with
+   Triton >= 3.9 (launched with a register cap, ``ONESIDED_LAUNCH``) and ``lean`` before: Triton
+   3.6's layout conversions turn the one-sided row swaps into shared-memory traffic (2.6x lean's
+   instructions, 3x slower);
 3. rank the eigenvalues, take the top R eigenvectors u_r, basis ``v_r = dev^T u_r / |.|`` (float32
    rounds the Gram at ~1e-7 * lambda_1, so a direction with lambda_r <= ``rel_floor**2 *
    lambda_1`` is dropped as numerically zero, like the reference's 1e-6 floor in float64),
@@ -41,6 +41,8 @@ Here: the kernel, its launch and the Python entry points. The solvers are in
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import triton
@@ -116,7 +118,23 @@ REGISTER_CAPS = False
 # how Jacobi rotates: _jacobi_gathers / _dots / _lean / _xor (runtime loop) / _xor (steps unrolled) on the
 # Gram, or _build_onesided on the keys (no Gram; its own basis/coefficients: FINISH does not apply)
 ROTATIONS = {"gathers": 0, "dots": 1, "lean": 2, "xor": 3, "xor_unrolled": 4, "onesided": 5}
-ROTATION = "lean"
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = (int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    return major, minor
+
+
+# One-sided with Triton >= 3.9 (what torch 2.13 installs), lean before: on the H200, llama3-8b at 1M,
+# whole model (session 13, cubins compiled by each Triton and launched through CuPy,
+# scripts/device/cubin_probe.py): Triton 3.9 one-sided at 168 registers per thread 0.982 s, uncapped
+# 1.103, lean 1.096 (capped at 128: 1.267); Triton 3.6 lowers the one-sided row swaps through shared
+# memory and is 3x slower there (3.52 s vs lean 1.19).
+ROTATION = "onesided" if _triton_version() >= (3, 9) else "lean"
+# The one-sided bulk build's CUDA launch (fixed, not tuned: the tuner would compile each candidate,
+# ~40-80 s apiece for this solver): one (page, head) per 1-warp program, registers capped so that
+# more programs are resident (uncapped it takes 255, two warps per scheduler, latency-bound).
+ONESIDED_LAUNCH = {"BP": 1, "num_warps": 1, "maxnreg": 168}
 FINISHES = {"loop": 0, "dots": 1}  # basis and coefficients: _basis_coefs_loop / _basis_coefs_dots
 FINISH = "loop"  # "dots": prepared, off until measured on the GPU
 
@@ -140,6 +158,8 @@ def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=S
     prec = "tf32x3" if k_cache.is_cuda else "ieee"
     tb = table if table is not None else ids
     tuned = k_cache.is_cuda and not incremental and not launch
+    if tuned and rot == ROTATIONS["onesided"]:
+        tuned, launch = False, ONESIDED_LAUNCH
     kernel = (_build_tuned_caps if REGISTER_CAPS else _build_tuned) if tuned else _build_kernel
     launch = {} if tuned else dict(launch or {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4})
     if "maxnreg" in launch:  # capped: reload the keys after the solver rather than keep them live
