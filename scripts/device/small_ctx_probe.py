@@ -4,8 +4,10 @@ Session 13's step profile (GLM-4-9B, 32K, compiled, per layer): score kernel 10.
 selection 10.7 us, though the summaries are 6.7 MB (1.6 us at copy bandwidth) and the pages 2K.
 Both are latency-bound there. This times, CUDA-graph replayed (``score_probe._time``), batch 1:
 
-- the CUDA score kernel at 64 pages per program (one 16-page tile per warp: the default launch
-  at 16K-64K), with and without its one-tile variant, and at 128;
+- the CUDA score kernel at 64 and 128 pages per program (one or two 16-page tiles per warp; the
+  default launch at 16K-64K is one). Session 13's call 3 also timed a variant that copied three of
+  a tile's four page groups at once (since removed: no faster; each tile's cost is the warp's
+  dependent instruction chain at about one warp per scheduler, not its memory round trips);
 - the load-only kernel (the summaries' bytes, no math) at 64, 128 and 512 pages per program;
 - the fused combine + selection at 512, 1024, 2048 pages per program and the default;
 - one empty launch (the graph's per-kernel floor).
@@ -60,15 +62,13 @@ def main() -> None:
             default_ppp = cuda_mma.pages_per_program(p, hkv, dev, d, g)
             sw = score_workspace(1, hkv, g, p, dev)
             score_pages_paged(q, case.store, tbl, seq, workspace=sw, rank=False)
-            for ppp, one_tile in ((64, True), (64, False), (128, True)):
+            for ppp in (64, 128):
                 ws = score_workspace(1, hkv, g, p, dev, pages_per_program=ppp)
-                ws["one_tile"] = one_tile  # the one-tile variant runs where ppp <= 64 (4 warps)
                 fn = lambda ws=ws: cuda_mma.score_pages_mma(q, case.store, tbl, seq, workspace=ws)  # noqa: E731
                 got = fn()[0]
                 err = float((got[..., :p] - sw["scores"][..., :p]).abs().max())
-                emit(kind="score", **base, warps=4, ppp=ppp, one_tile=one_tile,
-                     default=ppp == default_ppp and one_tile, programs=ws["n_chunks"] * hkv,
-                     us=_time(fn, n_graph=args.reps), max_err=err)
+                emit(kind="score", **base, warps=4, ppp=ppp, default=ppp == default_ppp,
+                     programs=ws["n_chunks"] * hkv, us=_time(fn, n_graph=args.reps), max_err=err)
             for ppp in (64, 128, 512):
                 emit(kind="load_only", **base, ppp=ppp,
                      us=_time(lambda ppp=ppp: _load_launch(case.store, tbl[0], hkv, p, 16, 4, ppp), n_graph=args.reps))

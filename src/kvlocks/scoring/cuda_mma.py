@@ -42,13 +42,6 @@ BALANCED = False
 # registers, 5 blocks of 4 warps per SM on sm_90) or 6 (D = 128, G <= 8, 4 warps only: at most 80
 # registers and one centroid slot per warp, 24 warps per SM). 1 until 6 is measured on a GPU.
 MIN_BLOCKS = 1
-# Launches whose warps get at most one 16-page tile each (short contexts: the launch sizes aim at one
-# wave of blocks) run the kernel's one-tile variant, which copies three of the tile's four page groups
-# at once instead of one group ahead (workspace key ``one_tile``). Without it a tile costs four
-# memory round trips in sequence: on the H200 (session 13, ``scripts/device/small_ctx_probe.py``,
-# glm4-9b-1m, 32K tokens) 12.5 us for one tile per warp, 16.5 for two, 25.7 for four, against 4.8
-# us for the bytes alone.
-ONE_TILE = True
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _state: dict = {}
 
@@ -70,7 +63,7 @@ def _library(device) -> ctypes.CDLL:
         i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
                                           i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
-                                          i32, vp]
+                                          vp]
         lib.kvlocks_score_mma.restype = i32
         lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32]
         lib.kvlocks_score_mma_blocks_per_sm.restype = i32
@@ -180,8 +173,7 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
         st.centroid_scale.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         ws["scores"].data_ptr(), ws["stats"].data_ptr(), bsz, hkv, g, ws["stats"].shape[-1], max_pages,
         ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps,
-        variant_min_blocks(d, g, warps, ws.get("min_blocks")), int(bool(ws.get("one_tile", ONE_TILE))),
-        torch.cuda.current_stream(queries.device).cuda_stream)
+        variant_min_blocks(d, g, warps, ws.get("min_blocks")), torch.cuda.current_stream(queries.device).cuda_stream)
     if err:
         reason = "unsupported head_dim/group/warps" if err == -1 else lib.kvlocks_error_string(err).decode()
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")

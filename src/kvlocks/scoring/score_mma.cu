@@ -207,12 +207,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-// waits until at most `pending` (0-2, warp-uniform) of this thread's commit groups are in flight
-__device__ __forceinline__ void cp_async_wait_upto(int pending) {
-  if (pending >= 2) cp_async_wait<2>();
-  else if (pending == 1) cp_async_wait<1>();
-  else cp_async_wait<0>();
-}
 
 // The summary bytes of four pages (one group step), as stored, staged in shared memory.
 template <int D>
@@ -416,19 +410,13 @@ __device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const Centro
 // The kernel body. CSLOTS: centroid slots per warp. One slot suffices (a tile's centroids are read
 // at its first group and the next tile's copied at its last group; a tile with one group has no next
 // tile in its program) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
-// GSLOTS: group slots per warp. 2: double buffering, one group's copy in flight while the previous
-// group is computed (long runs of tiles). 3 ("one tile"): for launches where every warp has at most
-// one tile (pages per program <= TILE * WARPS, short contexts), three of the tile's four groups are
-// copied at once up front and the fourth as soon as the first is done, so the warp waits about two
-// memory latencies per tile instead of four.
-template <int D, int NT, int WARPS, int CSLOTS, int GSLOTS = 2>
+template <int D, int NT, int WARPS, int CSLOTS>
 __device__ __forceinline__ void score_body(const Params& p) {
-  static_assert(GSLOTS == 2 || GSLOTS == 3, "GSLOTS: 2 or 3");
   constexpr int KS = D / 16;
   __shared__ float qs[NT * 8][D];
   __shared__ float red[WARPS];
   __shared__ float st_m[WARPS][NT * 8], st_l[WARPS][NT * 8];
-  __shared__ GroupSlot<D> gslots[WARPS][GSLOTS];
+  __shared__ GroupSlot<D> gslots[WARPS][2];
   __shared__ CentroidSlot<D> cslots[WARPS][CSLOTS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.y, chunk = blockIdx.x;
@@ -459,14 +447,6 @@ __device__ __forceinline__ void score_body(const Params& p) {
     issue_centroids(cslot[0], p, pid, h, lane);
     issue_group(gslot[0], p, pid, 0, h, lane);
     cp_async_commit();
-    if constexpr (GSLOTS == 3) {
-      if (t0 + WARPS * TILE < end) __trap();  // more than one tile for this warp: the launch broke the contract
-      const int ng = min(4, (end - t0 + 3) >> 2);
-      for (int j = 1; j < min(ng, 3); ++j) {
-        issue_group(gslot[j], p, pid, j, h, lane);
-        cp_async_commit();
-      }
-    }
     cen_scales(pid, sa, sb);
   }
 
@@ -547,23 +527,18 @@ __device__ __forceinline__ void score_body(const Params& p) {
       float cq[NT][4];
 #pragma unroll 1
       for (int j = 0; j < ng; ++j, ++n) {
-        if constexpr (GSLOTS == 3) {
-          // copies in flight: groups 0 .. min(ng, 3) - 1 from the start, group 3 from step 1
-          cp_async_wait_upto(min(ng, 3) + (int)(j >= 1 && ng == 4) - 1 - j);
-        } else {
-          __syncwarp();  // every lane is done reading the slot the next copy overwrites
-          if (j + 1 < ng) {
-            issue_group(gslot[(n + 1) & 1], p, pid, j + 1, h, lane);
-          } else if (more) {
-            issue_centroids(cslot[(tile + 1) % CSLOTS], p, pid_next, h, lane);
-            issue_group(gslot[(n + 1) & 1], p, pid_next, 0, h, lane);
-          }
-          cp_async_commit();
-          cp_async_wait<1>();  // everything but the copy just issued has landed
+        __syncwarp();  // every lane is done reading the slot the next copy overwrites
+        if (j + 1 < ng) {
+          issue_group(gslot[(n + 1) & 1], p, pid, j + 1, h, lane);
+        } else if (more) {
+          issue_centroids(cslot[(tile + 1) % CSLOTS], p, pid_next, h, lane);
+          issue_group(gslot[(n + 1) & 1], p, pid_next, 0, h, lane);
         }
+        cp_async_commit();
+        cp_async_wait<1>();  // everything but the copy just issued has landed
         __syncwarp();
         if (j == 0) centroid_term(w, cslot[tile % CSLOTS], sa, sb, cq);
-        const GroupSlot<D>& slot = gslot[GSLOTS == 3 ? j % 3 : n & 1];
+        const GroupSlot<D>& slot = gslot[n & 1];
         const int pt = 4 * j + 2 * (int)h4 + (int)h3;  // this lane's page within the tile
         const int page = t0 + pt;
         float lse[NT];
@@ -582,13 +557,6 @@ __device__ __forceinline__ void score_body(const Params& p) {
             const float mn = fmaxf(m_run[nt], x);
             l_run[nt] = l_run[nt] * fast_exp2(m_run[nt] - mn) + fast_exp2(x - mn);
             m_run[nt] = mn;
-          }
-        }
-        if constexpr (GSLOTS == 3) {
-          if (j == 0 && ng == 4) {  // group 0's slot is free: group 3 into it
-            __syncwarp();
-            issue_group(gslot[0], p, pid, 3, h, lane);
-            cp_async_commit();
           }
         }
       }
@@ -650,24 +618,11 @@ __global__ void __launch_bounds__(WARPS * 32, 6) score_kernel_six(const Params p
   score_body<D, NT, WARPS, 1>(p);
 }
 
-// Every warp at most one tile (launches with pages per program <= TILE * WARPS): three group slots.
-template <int D, int NT, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) score_kernel_one_tile(const Params p) {
-  score_body<D, NT, WARPS, 1, 3>(p);
-}
-
 using Kernel = void (*)(const Params);
 
 // The compiled variants: head_dim 64 / 128, one or two n-tiles of 8 heads (G <= 8 / <= 16), warps per
-// block, resident blocks asked for (min_blocks: 1 = no request; 6 only for D = 128, G <= 8, 4 warps),
-// one-tile launches (4 warps, min_blocks 1; not D = 128 with G > 8, whose three slots would take more
-// than the 48 KB of static shared memory).
-Kernel pick(int head_dim, int nt, int warps, int min_blocks, int one_tile) {
-  if (one_tile && warps == 4 && min_blocks == 1) {
-    if (head_dim == 128 && nt == 1) return score_kernel_one_tile<128, 1, 4>;
-    if (head_dim == 64 && nt == 1) return score_kernel_one_tile<64, 1, 4>;
-    if (head_dim == 64 && nt == 2) return score_kernel_one_tile<64, 2, 4>;
-  }
+// block, resident blocks asked for (min_blocks: 1 = no request; 6 only for D = 128, G <= 8, 4 warps).
+Kernel pick(int head_dim, int nt, int warps, int min_blocks) {
 #define KVLOCKS_CASE(D_, NT_, W_) \
   if (head_dim == D_ && nt == NT_ && warps == W_ && min_blocks == 1) return score_kernel<D_, NT_, W_>;
   KVLOCKS_CASE(128, 1, 4)
@@ -691,7 +646,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
                       const void* censcale, const void* block_table, int64_t stride_bt, const void* seq_lens,
                       void* scores, void* stats, int batch, int hkv, int g, int gb, int max_pages, int n_chunks,
                       int ppp, int balanced, float qk_scale2, int head_dim, int warps, int min_blocks,
-                      int allow_one_tile, void* stream) {
+                      void* stream) {
   Params p;
   p.q = q;
   p.stride_qb = stride_qb;
@@ -716,10 +671,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   p.ppp = ppp;
   p.balanced = balanced;
   p.qk_scale2 = qk_scale2;
-  // the one-tile variant where every warp gets at most one tile (static split of at most TILE * warps
-  // pages per program), when allowed
-  const int one_tile = allow_one_tile && !balanced && ppp <= TILE * warps;
-  const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks, one_tile);
+  const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks);
   if (k == nullptr) return -1;
   void* args[] = {&p};
   const dim3 grid(n_chunks, batch * hkv);
@@ -729,7 +681,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
 
 // Resident blocks per SM of a variant (what the launch sizes aim at), or -1.
 int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt, int warps, int min_blocks) {
-  const Kernel k = pick(head_dim, nt, warps, min_blocks, 0);
+  const Kernel k = pick(head_dim, nt, warps, min_blocks);
   int n = 0;
   if (k == nullptr || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, warps * 32, 0) != cudaSuccess) return -1;
   return n;
