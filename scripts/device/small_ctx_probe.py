@@ -4,8 +4,8 @@ Session 13's step profile (GLM-4-9B, 32K, compiled, per layer): score kernel 10.
 selection 10.7 us, though the summaries are 6.7 MB (1.6 us at copy bandwidth) and the pages 2K.
 Both are latency-bound there. This times, CUDA-graph replayed (``score_probe._time``), batch 1:
 
-- the CUDA score kernel at 64 and 128 pages per program (one or two 16-page tiles per warp; the
-  default launch at 16K-64K is one). Session 13's call 3 also timed a variant that copied three of
+- the CUDA score kernel at 16 pages per program (one tile per program, its four groups over the
+  four warps: the GSPLIT variant), 64 and 128 (one or two 16-page tiles per warp). Session 13's call 3 also timed a variant that copied three of
   a tile's four page groups at once (since removed: no faster; each tile's cost is the warp's
   dependent instruction chain at about one warp per scheduler, not its memory round trips);
 - the load-only kernel (the summaries' bytes, no math) at 64, 128 and 512 pages per program;
@@ -62,7 +62,7 @@ def main() -> None:
             default_ppp = cuda_mma.pages_per_program(p, hkv, dev, d, g)
             sw = score_workspace(1, hkv, g, p, dev)
             score_pages_paged(q, case.store, tbl, seq, workspace=sw, rank=False)
-            for ppp in (64, 128):
+            for ppp in (16, 64, 128):  # 16: one tile per program, its groups over the warps
                 ws = score_workspace(1, hkv, g, p, dev, pages_per_program=ppp)
                 fn = lambda ws=ws: cuda_mma.score_pages_mma(q, case.store, tbl, seq, workspace=ws)  # noqa: E731
                 got = fn()[0]

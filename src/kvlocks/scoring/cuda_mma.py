@@ -42,6 +42,15 @@ BALANCED = False
 # registers, 5 blocks of 4 warps per SM on sm_90) or 6 (D = 128, G <= 8, 4 warps only: at most 80
 # registers and one centroid slot per warp, 24 warps per SM). 1 until 6 is measured on a GPU.
 MIN_BLOCKS = 1
+# Short contexts: where one tile per warp (the smallest static split) leaves the launch under a wave,
+# one tile per program instead, its four 4-page groups scored by the block's four warps (the kernel's
+# GSPLIT variant, picked by the library for ppp == TILE): four times the warps, each with a quarter
+# of the dependent instruction chain. On the H200 at one tile per warp a tile costs about four times
+# what the bytes alone do (session 13, ``scripts/device/small_ctx_probe.py``, glm4-9b-1m, 32K: 12.5
+# us at 64 pages per program, 16.5 at 128, 25.7 at 256; load-only 4.8, 7.6, -); copying three groups
+# at once instead of one ahead did not help (call 3), so the chain, not the memory, sets it.
+# Used while the one-tile-per-program launch fits one wave of resident blocks.
+GROUP_SPLIT = True
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _state: dict = {}
 
@@ -65,7 +74,7 @@ def _library(device) -> ctypes.CDLL:
                                           i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
                                           vp]
         lib.kvlocks_score_mma.restype = i32
-        lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32]
+        lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32, i32]
         lib.kvlocks_score_mma_blocks_per_sm.restype = i32
         lib.kvlocks_error_string.argtypes = [i32]
         lib.kvlocks_error_string.restype = ctypes.c_char_p
@@ -109,22 +118,31 @@ def supports(queries: torch.Tensor, group: int, summaries: PagedSummaries) -> bo
 
 
 def pages_per_program(max_pages: int, rows: int, device, head_dim: int = 128, group: int = 8,
-                      warps: int = WARPS, balanced: bool | None = None, min_blocks: int | None = None) -> int:
+                      warps: int = WARPS, balanced: bool | None = None, min_blocks: int | None = None,
+                      group_split: bool | None = None) -> int:
     """Pages per program for about one wave of resident blocks. Static split (``balanced`` False):
-    a multiple of ``TILE * warps`` (warps take tiles of 16 pages in turn). Balanced split: the
+    a multiple of ``TILE * warps`` (warps take tiles of 16 pages in turn), or ``TILE`` (one tile per
+    program, its groups over the warps: ``group_split``, default GROUP_SPLIT) where that is the
+    smallest multiple and the one-tile programs fit one wave. Balanced split: the
     smallest page count that keeps the programs within one wave; the kernel then divides each
     sequence's tiles evenly among the ``ceil(max_pages / ppp)`` programs of its row."""
     balanced = BALANCED if balanced is None else balanced
     device = torch.device(device)
     lib = _library(device)
     mb = variant_min_blocks(head_dim, group, warps, min_blocks)
-    per_sm = max(1, lib.kvlocks_score_mma_blocks_per_sm(head_dim, 2 if group > 8 else 1, warps, mb))
-    target = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    per_row = max(1, target // max(rows, 1))
+    nt = 2 if group > 8 else 1
+    per_sm = max(1, lib.kvlocks_score_mma_blocks_per_sm(head_dim, nt, warps, mb, 0))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_row = max(1, per_sm * sms // max(rows, 1))
     if balanced:
         return max(1, -(-max_pages // per_row))
     step = TILE * warps
-    return max(step, -(-(-(-max_pages // per_row)) // step) * step)
+    ppp = max(step, -(-(-(-max_pages // per_row)) // step) * step)
+    if (GROUP_SPLIT if group_split is None else group_split) and ppp == step and warps == 4 and mb == 1:
+        split_sm = lib.kvlocks_score_mma_blocks_per_sm(head_dim, nt, warps, mb, 1)
+        if split_sm > 0 and rows * -(-max_pages // TILE) <= split_sm * sms:
+            return TILE
+    return ppp
 
 
 def variant_min_blocks(head_dim: int, group: int, warps: int, min_blocks: int | None = None) -> int:

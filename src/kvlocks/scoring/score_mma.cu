@@ -410,8 +410,13 @@ __device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const Centro
 // The kernel body. CSLOTS: centroid slots per warp. One slot suffices (a tile's centroids are read
 // at its first group and the next tile's copied at its last group; a tile with one group has no next
 // tile in its program) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
-template <int D, int NT, int WARPS, int CSLOTS>
+// GSPLIT (launches of one tile per program, ppp = TILE, static split): the block's warps share the
+// tile, warp w scoring its group w (pages 4w..4w+3) alone. At short contexts one tile per warp
+// leaves about one warp per scheduler, and a tile's four groups then cost four times a group's
+// dependent-instruction latency; split, four times the warps run a group each.
+template <int D, int NT, int WARPS, int CSLOTS, bool GSPLIT = false>
 __device__ __forceinline__ void score_body(const Params& p) {
+  static_assert(!GSPLIT || WARPS == 4, "GSPLIT: the tile's four groups over four warps");
   constexpr int KS = D / 16;
   __shared__ float qs[NT * 8][D];
   __shared__ float red[WARPS];
@@ -438,14 +443,15 @@ __device__ __forceinline__ void score_body(const Params& p) {
   };
   GroupSlot<D>* gslot = gslots[warp];
   CentroidSlot<D>* cslot = cslots[warp];
-  int t0 = start + warp * TILE;
+  int t0 = GSPLIT ? start : start + warp * TILE;
+  const int j_first = GSPLIT ? warp : 0;  // this warp's first group of its first tile
   int pid = 0, pid_n1 = 0;  // page ids of this warp's current and next tile (loaded a tile ahead)
   float sa = 0.f, sb = 0.f;
-  if (t0 < end) {  // the first copies overlap the query set-up
+  if (t0 + 4 * j_first < end) {  // the first copies overlap the query set-up
     pid = tile_ids(t0);
     pid_n1 = tile_ids(t0 + WARPS * TILE);
     issue_centroids(cslot[0], p, pid, h, lane);
-    issue_group(gslot[0], p, pid, 0, h, lane);
+    issue_group(gslot[0], p, pid, j_first, h, lane);
     cp_async_commit();
     cen_scales(pid, sa, sb);
   }
@@ -514,19 +520,20 @@ __device__ __forceinline__ void score_body(const Params& p) {
   // Software pipeline over this warp's groups (tiles start + (warp + k WARPS) * TILE, up to four
   // groups each): group n + 1's bytes (and at a tile's last group, the next tile's centroids) are copied
   // into shared memory while group n is computed; one commit group per step.
-  if (t0 < end) {
+  if (t0 + 4 * j_first < end) {
     int n = 0, tile = 0;
     while (true) {
       const int t_next = t0 + WARPS * TILE;
-      const bool more = t_next < end;
-      const int ng = min(4, (end - t0 + 3) >> 2);  // groups of this tile with a page to score
+      const bool more = !GSPLIT && t_next < end;
+      // groups of this tile with a page to score (GSPLIT: this warp's one)
+      const int ng = GSPLIT ? j_first + 1 : min(4, (end - t0 + 3) >> 2);
       const int pid_next = pid_n1;
       const int pid_n2 = tile_ids(t_next + WARPS * TILE);  // used a tile from now: no wait here
       float sa_next = 0.f, sb_next = 0.f;
       if (more) cen_scales(pid_next, sa_next, sb_next);
       float cq[NT][4];
 #pragma unroll 1
-      for (int j = 0; j < ng; ++j, ++n) {
+      for (int j = j_first; j < ng; ++j, ++n) {
         __syncwarp();  // every lane is done reading the slot the next copy overwrites
         if (j + 1 < ng) {
           issue_group(gslot[(n + 1) & 1], p, pid, j + 1, h, lane);
@@ -537,7 +544,7 @@ __device__ __forceinline__ void score_body(const Params& p) {
         cp_async_commit();
         cp_async_wait<1>();  // everything but the copy just issued has landed
         __syncwarp();
-        if (j == 0) centroid_term(w, cslot[tile % CSLOTS], sa, sb, cq);
+        if (j == j_first) centroid_term(w, cslot[tile % CSLOTS], sa, sb, cq);
         const GroupSlot<D>& slot = gslot[n & 1];
         const int pt = 4 * j + 2 * (int)h4 + (int)h3;  // this lane's page within the tile
         const int page = t0 + pt;
@@ -618,11 +625,22 @@ __global__ void __launch_bounds__(WARPS * 32, 6) score_kernel_six(const Params p
   score_body<D, NT, WARPS, 1>(p);
 }
 
+// One tile per program, its four groups over the four warps (launches with ppp = TILE).
+template <int D, int NT>
+__global__ void __launch_bounds__(128) score_kernel_gsplit(const Params p) {
+  score_body<D, NT, 4, 1, true>(p);
+}
+
 using Kernel = void (*)(const Params);
 
 // The compiled variants: head_dim 64 / 128, one or two n-tiles of 8 heads (G <= 8 / <= 16), warps per
-// block, resident blocks asked for (min_blocks: 1 = no request; 6 only for D = 128, G <= 8, 4 warps).
-Kernel pick(int head_dim, int nt, int warps, int min_blocks) {
+// block, resident blocks asked for (min_blocks: 1 = no request; 6 only for D = 128, G <= 8, 4 warps),
+// the tile's groups split over the warps (gsplit: 4 warps, min_blocks 1, one tile per program).
+Kernel pick(int head_dim, int nt, int warps, int min_blocks, int gsplit) {
+  if (gsplit && warps == 4 && min_blocks == 1) {
+    if (head_dim == 128) return nt == 1 ? score_kernel_gsplit<128, 1> : score_kernel_gsplit<128, 2>;
+    if (head_dim == 64) return nt == 1 ? score_kernel_gsplit<64, 1> : score_kernel_gsplit<64, 2>;
+  }
 #define KVLOCKS_CASE(D_, NT_, W_) \
   if (head_dim == D_ && nt == NT_ && warps == W_ && min_blocks == 1) return score_kernel<D_, NT_, W_>;
   KVLOCKS_CASE(128, 1, 4)
@@ -671,7 +689,8 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   p.ppp = ppp;
   p.balanced = balanced;
   p.qk_scale2 = qk_scale2;
-  const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks);
+  // a static split of one tile per program: the tile's groups over the warps
+  const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks, !balanced && ppp == TILE);
   if (k == nullptr) return -1;
   void* args[] = {&p};
   const dim3 grid(n_chunks, batch * hkv);
@@ -680,8 +699,8 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
 }
 
 // Resident blocks per SM of a variant (what the launch sizes aim at), or -1.
-int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt, int warps, int min_blocks) {
-  const Kernel k = pick(head_dim, nt, warps, min_blocks);
+int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt, int warps, int min_blocks, int gsplit) {
+  const Kernel k = pick(head_dim, nt, warps, min_blocks, gsplit);
   int n = 0;
   if (k == nullptr || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, warps * 32, 0) != cudaSuccess) return -1;
   return n;
