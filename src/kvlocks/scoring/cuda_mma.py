@@ -42,15 +42,18 @@ BALANCED = False
 # registers, 5 blocks of 4 warps per SM on sm_90) or 6 (D = 128, G <= 8, 4 warps only: at most 80
 # registers and one centroid slot per warp, 24 warps per SM). 1 until 6 is measured on a GPU.
 MIN_BLOCKS = 1
-# Short contexts: where one tile per warp (the smallest static split) leaves the launch under a wave,
-# one tile per program instead, its four 4-page groups scored by the block's four warps (the kernel's
-# GSPLIT variant, picked by the library for ppp == TILE): four times the warps, each with a quarter
-# of the dependent instruction chain. On the H200 at one tile per warp a tile costs about four times
-# what the bytes alone do (session 13, ``scripts/device/small_ctx_probe.py``, glm4-9b-1m, 32K: 12.5
-# us at 64 pages per program, 16.5 at 128, 25.7 at 256; load-only 4.8, 7.6, -); copying three groups
-# at once instead of one ahead did not help (call 3), so the chain, not the memory, sets it.
-# Used while the one-tile-per-program launch fits one wave of resident blocks.
-GROUP_SPLIT = True
+# Short contexts, prepared, off: where one tile per warp (the smallest static split) is the launch and
+# one tile per program fits a wave, one tile per program instead, its four 4-page groups scored by the
+# block's four warps (the kernel's GSPLIT variant, which the library picks for any ppp == TILE launch):
+# four times the warps, each a quarter of the dependent instruction chain. At one tile per warp a tile
+# costs about four times what its bytes alone do (H200, session 13, ``scripts/device/small_ctx_probe.py``,
+# glm4-9b-1m, 32K: 12.5 us at 64 pages per program, 16.5 at 128, 25.7 at 256; load-only 4.8 and
+# 7.6), and copying three groups at once instead of one ahead did not help, so the chain, not the
+# memory, sets it. Split (session 13, call 6, us, 16 vs 64 pages per program): glm4-9b-1m 16K (256
+# programs) 10.54 vs 11.80, but 32K (512) 14.41 vs 12.23 and llama3-8b 16K (512) 13.43 vs 11.40:
+# the per-program set-up (queries, shared centroids and page ids per warp) outweighs the chain
+# from about 512 programs. One case won, by 1.3 us per layer (0.8% of the GLM-4-9B step at 16K).
+GROUP_SPLIT = False
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _state: dict = {}
 
