@@ -104,7 +104,7 @@ def _build_kernel(k_ptr, stride_kp, stride_ks, stride_kh, ids_ptr, n_items, Hkv,
 # rewrites its outputs, so re-running it while tuning is harmless); incremental builds keep a fixed
 # launch. Fewer items and warps per program won for the lean rotations on the H200 (per llama3-8b
 # layer at 1M: 1 x 1: 37 ms, 2 x 2: 55, 4 x 4: 63, 8 x 8: 91). Uncapped, a 1-warp program takes 255
-# registers (the Gram's tf32x3 operands), so an SM holds 8 of them and each scheduler has 2 warps to
+# registers with Triton 3.6 (the Gram's tf32x3 operands; 176 with Triton 3.9), so an SM holds 8 of them and each scheduler has 2 warps to
 # hide the solver's shuffle and shared-memory latency; capped at 144 (or 128) the solver loop still
 # spills nothing (sm_90 SASS; spills only before and after it) and 14 fit (then shared memory, 16 KB
 # per program, is the limit).
@@ -133,7 +133,10 @@ def _triton_version() -> tuple[int, int]:
 ROTATION = "onesided" if _triton_version() >= (3, 9) else "lean"
 # The one-sided bulk build's CUDA launch (fixed, not tuned: the tuner would compile each candidate,
 # ~40-80 s apiece for this solver): one (page, head) per 1-warp program, registers capped so that
-# more programs are resident (uncapped it takes 255, two warps per scheduler, latency-bound).
+# more programs are resident: uncapped it takes 255 (8 programs per SM, two warps per scheduler,
+# latency-bound), at 168 it fits 12 per SM with 216 B of stack per thread. Caps 144-208 timed
+# (docs/benchmarks.md, session 13): 168 fastest; 160 (also 12 per SM, more spills) 0.993 s, 176
+# (11 per SM) 1.111 s.
 ONESIDED_LAUNCH = {"BP": 1, "num_warps": 1, "maxnreg": 168}
 FINISHES = {"loop": 0, "dots": 1}  # basis and coefficients: _basis_coefs_loop / _basis_coefs_dots
 FINISH = "loop"  # "dots": prepared, off until measured on the GPU
