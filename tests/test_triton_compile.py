@@ -103,8 +103,15 @@ def build_kernels() -> None:
     # and its only exchange is the pair sums' butterfly shuffles, so the kernel needs (almost) no shared
     # memory, where the Gram solvers take 16 KB. Triton 3.6 (the H200 image's) lowers the swaps through
     # shared memory (2 KB, barriers: docs/results/build_sass_triton36.json), 3x slower there.
-    k = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ROT=5, FINISH=0, RELOAD_VOLATILE=False), 1)
+    # Compiled as the default bulk build launches it (ONESIDED_LAUNCH: register cap), and as the
+    # incremental build of pages that fill during decode launches it (4 items, 4 warps).
+    cap = bt.ONESIDED_LAUNCH["maxnreg"]
+    k = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ROT=5, FINISH=0, RELOAD_VOLATILE=True), 1, maxnreg=cap)
     assert ".target sm_90" in k.asm["ptx"] and "shfl.sync.bfly" in k.asm["ptx"]
+    assert f".maxnreg {cap}" in k.asm["ptx"]
+    inc = _compile(bt._build_kernel, BUILD_ARGS, dict(base, BP=4, INCREMENTAL=True, ROT=5, FINISH=0, RELOAD_VOLATILE=False),
+                   4)
+    assert ".target sm_90" in inc.asm["ptx"] and len(inc.asm["cubin"]) > 1000
     import triton
 
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
