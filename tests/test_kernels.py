@@ -483,7 +483,10 @@ def test_build_rounding_is_half_to_even_like_torch_round():
     assert torch.equal(y[:256].cpu(), 2 * torch.round(ties / 2))  # ties go to the even neighbour
 
 
-def test_incremental_build_builds_just_filled_pages():
+@pytest.mark.parametrize("rotation", ["lean", "onesided"])
+def test_incremental_build_builds_just_filled_pages(rotation, monkeypatch):
+    """Both default solvers (one-sided from Triton 3.9, lean before) in the decode-time launch."""
+    monkeypatch.setattr(build_tri, "ROTATION", rotation)
     cfg = LocksConfig()
     q, k, _, table, seq = make_paged([2 * S, 3 * S + 1, S - 1, S], 2, 1, 64, F32)
     store = PagedSummaries.empty(k.shape[0], 2, 64, cfg, device=DEV)
