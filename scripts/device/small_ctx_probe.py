@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 from kvlocks.bench.kernels import SHAPES, KernelBenchConfig, _Case
 from kvlocks.scoring import cuda_mma
@@ -75,7 +76,7 @@ def main() -> None:
             sel = dict(page_size=c.page_size, k=k, sink_pages=c.sink_pages, recent_pages=c.recent_pages)
             ref = None
             for chunk in sorted({512, 1024, 2048, default_fused_chunk(p)}):
-                if chunk > 2 * triton_next_pow2(p):
+                if chunk > 2 * triton.next_power_of_2(p):
                     continue
                 fw = fused_workspace(1, hkv, p, k, dev, chunk=chunk)
                 out = rank_and_select(sw, seq, workspace=fw, **sel).clone()
@@ -85,10 +86,6 @@ def main() -> None:
                      same_pages=bool(torch.equal(out, ref)),
                      us=_time(lambda fw=fw: rank_and_select(sw, seq, workspace=fw, **sel), n_graph=args.reps))
             del case
-
-
-def triton_next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 if __name__ == "__main__":
