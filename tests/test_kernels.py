@@ -449,13 +449,17 @@ def test_build_matches_reference(d, dtype, rank, rotation, finish):
 @pytest.mark.parametrize("rotation,finish", [("lean", "loop"), ("lean", "dots"), ("onesided", "loop")])
 def test_build_with_register_cap_equals_uncapped(rotation, finish):
     """A register cap (``maxnreg``, as in the tuner's capped launches and the one-sided default
-    launch) changes register allocation only: the same summaries bit for bit."""
+    launch) changes register allocation only: the same summaries bit for bit. Capped launches reload
+    the keys after the solver by volatile loads (``RELOAD_VOLATILE``, set by default with a cap), a
+    different program (the finish's products may contract differently): the uncapped reference
+    takes the same reload."""
     _, k, _, _, _ = make_paged([64 * 1024], 8, 1, 128, BF16, seed=5)
     ids = torch.arange(k.shape[0], dtype=torch.int32, device=DEV)
     cfg = LocksConfig()
     stores = []
     caps = (128, 144) if rotation == "lean" else (build_tri.ONESIDED_LAUNCH["maxnreg"],)
-    for launch in ({"BP": 1, "num_warps": 1}, *({"BP": 1, "num_warps": 1, "maxnreg": m} for m in caps)):
+    base = {"BP": 1, "num_warps": 1, "RELOAD_VOLATILE": True}
+    for launch in (base, *({**base, "maxnreg": m} for m in caps)):
         store = PagedSummaries.empty(k.shape[0], 8, 128, cfg, device=DEV)
         build_tri.build_pages(k, store, ids, launch=launch, finish=finish, rotation=rotation)
         stores.append(store)

@@ -33,10 +33,6 @@ from kvlocks.selection.triton import (
 )
 
 SINGLE_MAX = 1536  # rows of at most this many pages are selected by one program (no merge radix)
-# rows of at least this many pages take the row-histogram selection (kvlocks.selection.row_radix),
-# ROW_RADIX_CHUNK pages per program
-ROW_RADIX_MIN_PAGES = 16384
-ROW_RADIX_CHUNK = 1024
 UNROLL_HEADS = True  # workspace["unroll_heads"] overrides (a probe option)
 
 
@@ -145,13 +141,7 @@ def default_fused_chunk(max_pages: int) -> int:
 
 
 def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
-    """Buffers for :func:`rank_and_select`: from ROW_RADIX_MIN_PAGES pages (and ``chunk`` None) a
-    :func:`kvlocks.selection.row_radix.row_radix_workspace`, else a :func:`select_workspace` with
-    the fused chunk size."""
-    if chunk is None and max_pages >= ROW_RADIX_MIN_PAGES:
-        from kvlocks.selection.row_radix import row_radix_workspace  # noqa: PLC0415 (imports this module)
-
-        return row_radix_workspace(batch, num_kv_heads, max_pages, k, device, chunk=ROW_RADIX_CHUNK)
+    """Buffers for :func:`rank_and_select` (a :func:`select_workspace` with the fused chunk size)."""
     return select_workspace(batch, num_kv_heads, max_pages, k, device,
                             chunk=default_fused_chunk(max_pages) if chunk is None else chunk)
 
@@ -168,19 +158,12 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
         and ``ranking`` written (as the combine pass would)
     seq_lens : int32 ``[B]``; sink_start : int32 ``[B]`` or None
     k, sink_pages, recent_pages, combine : as :func:`kvlocks.dispatch.select_pages` and Eq. 5's rule
-    workspace : from :func:`fused_workspace` (allocated here when omitted); a row-histogram
-        workspace (:mod:`kvlocks.selection.row_radix`) runs that selection's three launches
+    workspace : from :func:`fused_workspace` (allocated here when omitted)
 
     Returns
     -------
     int32 ``[B, Hkv, k]`` ascending logical page ids, -1 padded (a view of the workspace's buffer).
     """
-    if workspace is not None and workspace.get("path") == "row_radix":
-        from kvlocks.selection.row_radix import rank_and_select_rows  # noqa: PLC0415 (imports this module)
-
-        return rank_and_select_rows(score_ws, seq_lens, page_size=page_size, k=k, combine=combine,
-                                    sink_pages=sink_pages, recent_pages=recent_pages, sink_start=sink_start,
-                                    workspace=workspace)
     check_select_args(k, sink_pages, recent_pages)
     _check_rule(combine)
     scores = score_ws["scores"]
