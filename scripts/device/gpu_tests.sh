@@ -13,9 +13,13 @@ shift $(( $# > 1 ? 2 : 1 ))
 export PYTHONPATH=$PWD/src:/tmp/xdist PATH=/usr/local/cuda/bin:$PATH
 mkdir -p "$out"
 python -m pip install -q --no-deps --target /tmp/xdist .device/wheels/*.whl > "$out/pip.txt" 2>&1
-tests=${*:-tests/test_kernels.py tests/test_nvcc.py tests/test_engine.py::test_engine_with_cuda_score_kernel_equals_triton_score_kernel tests/test_engine.py::test_cuda_graph_replay_equals_eager_steps tests/test_engine.py::test_compiled_step_equals_eager_and_compiles_once_for_all_layers}
-# shellcheck disable=SC2086
-timeout "${KVLOCKS_TEST_TIMEOUT:-540}" python -m pytest -q -rs -p no:cacheprovider -p xdist -n "$workers" --durations=15 $tests \
-    > "$out/pytest_gpu.txt" 2>&1
+if [ $# -gt 0 ]; then args=("$@"); else  # pytest arguments kept as given (a -k expression has spaces)
+    args=(tests/test_kernels.py tests/test_nvcc.py
+          tests/test_engine.py::test_engine_with_cuda_score_kernel_equals_triton_score_kernel
+          tests/test_engine.py::test_cuda_graph_replay_equals_eager_steps
+          tests/test_engine.py::test_compiled_step_equals_eager_and_compiles_once_for_all_layers)
+fi
+timeout "${KVLOCKS_TEST_TIMEOUT:-540}" python -m pytest -q -rs -p no:cacheprovider -p xdist -n "$workers" --durations=15 \
+    "${args[@]}" > "$out/pytest_gpu.txt" 2>&1
 echo "pytest exit $?"
 tail -25 "$out/pytest_gpu.txt"
