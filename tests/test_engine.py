@@ -566,3 +566,82 @@ def test_auto_min_context_must_be_a_non_negative_int():
         EngineConfig(method="auto", auto_min_context=-1)
     with pytest.raises(ValueError, match="method"):
         EngineConfig(method="sometimes")
+
+
+# ---- L2 prefetch of the weights after the attention (kvlocks.engine.prefetch) ----
+
+@pytest.mark.parametrize("kind", ["glm4-9b-1m", "llama3.1-8b"])
+def test_prefetch_targets_are_the_weights_read_after_the_attention(kind):
+    """o_proj first, then the MLP's linear weights in the order the MLP applies them."""
+    from kvlocks.engine.prefetch import weights_after_attention
+
+    layer = _tiny(kind).model.layers[0]
+    got = weights_after_attention(layer)
+    mlp = layer.mlp
+    names = ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
+    expect = [layer.self_attn.o_proj.weight] + [getattr(mlp, n).weight for n in names]
+    assert len(got) == len(expect) and all(a is b for a, b in zip(got, expect))
+
+
+def test_prefetch_needs_cuda_weights_and_a_line():
+    from kvlocks.engine.prefetch import L2Prefetcher
+
+    w = torch.zeros(64, 64)
+    with pytest.raises(ValueError, match="CUDA"):
+        L2Prefetcher([[w]], budget_bytes=1 << 20)
+    if CUDA:
+        with pytest.raises(ValueError, match="budget_bytes"):
+            L2Prefetcher([[w.cuda()]], budget_bytes=64)
+
+
+def test_on_scored_runs_once_per_layer_between_score_and_selection(monkeypatch):
+    """The decode plan calls ``on_scored`` after the score launch and before the selection, once per
+    run (the hook where the step forks its prefetch)."""
+    import kvlocks.dispatch as dispatch
+
+    model = _tiny("llama3.1-8b", seed=1)
+    ids = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(2))
+    eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=32), max_context=128))
+    events = []
+    for name in ("score_pages", "select_pages"):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, real=real, name=name, **k: (events.append(name), real(*a, **k))[1])
+    run = eng.step.attn.run
+    monkeypatch.setattr(eng.step.attn, "run", lambda *a, **k: run(*a, **{**k, "on_scored": lambda: events.append("hook")}))
+    eng.generate(ids, max_new_tokens=2)
+    layers = model.config.num_hidden_layers
+    assert events.count("hook") == events.count("score_pages") == events.count("select_pages") >= layers
+    assert all(events[i:i + 3] == ["score_pages", "hook", "select_pages"] for i in range(0, len(events), 3))
+
+
+@pytest.mark.skipif(not CUDA, reason="L2 prefetch is CUDA only")
+def test_l2_prefetch_keeps_the_tokens_under_cuda_graphs(monkeypatch):
+    """With each layer's o_proj / MLP weights prefetched on a side stream beside its selection and
+    attention, the graph-replayed LOCKS decode gives the tokens it gives without (prefetches change
+    no value), and each layer prefetches its weights' leading bytes up to the budget."""
+    from kvlocks.engine import step as step_mod
+    from kvlocks.engine.prefetch import LINE, L2Prefetcher
+
+    model = _tiny("glm4-9b-1m", seed=3).to("cuda")
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(step_mod, "L2_PREFETCH", on)
+        eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=64), batch=2, max_context=400,
+                                               cuda_graph=True))
+        out[on] = eng.generate(ids, max_new_tokens=40)
+        pf = eng.step._prefetch
+        assert (pf is not None) == on
+        if on:  # the tiny model's weights fit the budget: all of them, every layer
+            layer = model.model.layers[0]
+            total = sum(w.numel() * w.element_size() for w in (layer.self_attn.o_proj.weight,
+                        *[m.weight for m in layer.mlp.modules() if isinstance(m, torch.nn.Linear)]))
+            assert pf.bytes_per_layer == [total] * model.config.num_hidden_layers
+    assert torch.equal(out[False], out[True])
+    # a budget cuts the list at a line boundary: 1000 bytes -> the first 7 lines of the first weight
+    w = [torch.zeros(32, 32, device="cuda"), torch.zeros(8, 8, device="cuda")]
+    pf = L2Prefetcher([w], budget_bytes=1000)
+    assert pf.bytes_per_layer == [7 * LINE] and len(pf.plan[0]) == 1
+    pf.launch(0)
+    pf.join()
+    torch.cuda.synchronize()

@@ -49,6 +49,10 @@ DYNAMIC_CACHE_ROWS = True
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
 # stays ours). Untimed so far (select_ab.py --modes ...,max_autotune).
 COMPILE_MODE = None
+# LOCKS on CUDA: prefetch each layer's o_proj / MLP weights into L2 on a side stream while its
+# selection and attention run (kvlocks.engine.prefetch; same results). Prepared, off until timed on
+# the H200 (select_ab.py --modes defaults11,l2_prefetch).
+L2_PREFETCH = False
 
 
 class DecodeStep:
@@ -77,6 +81,11 @@ class DecodeStep:
         self.attn = make_attention(method, cache, num_q_heads=parts.num_q_heads, scale=parts.scale,
                                    dtype=parts.dtype, backend=backend)
         self.logits = None  # [B, V] of the last step (a graph output when replayed)
+        self._prefetch = None
+        if L2_PREFETCH and method == "locks" and dev.type == "cuda":
+            from kvlocks.engine.prefetch import L2Prefetcher, weights_after_attention
+
+            self._prefetch = L2Prefetcher([weights_after_attention(layer) for layer in parts.layers])
         n, s = cache.num_pages, cache.page_size
         self._k_flat = [cache.k[i].view(n * s, *cache.k.shape[-2:]) for i in range(cache.k.shape[0])]
         self._v_flat = [cache.v[i].view(n * s, *cache.v.shape[-2:]) for i in range(cache.v.shape[0])]
@@ -114,8 +123,11 @@ class DecodeStep:
                 self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
                 self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
                 q = q[:, :, 0].contiguous()
-            out = self.attn.run(li, q, self.lens_next, build=build)  # [B, Hq, D]
+            fetch = None if self._prefetch is None else (lambda li=li: self._prefetch.launch(li))
+            out = self.attn.run(li, q, self.lens_next, build=build, on_scored=fetch)  # [B, Hq, D]
             x = self._finish(layer, x, out.reshape(bsz, 1, hq * d))
+            if self._prefetch is not None:
+                self._prefetch.join()
         logits = p.lm_head(p.norm(x))[:, 0]  # [B, V]
         torch.argmax(logits, dim=-1, out=self.tokens)
         c.seq_lens.copy_(self.lens_next)
