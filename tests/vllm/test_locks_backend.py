@@ -53,11 +53,11 @@ def test_block_reuse_never_scores_a_stale_summary(tmp_path):
     """A tiny block pool forces freed blocks to be reused by other requests. With verification on,
     every summary used is rebuilt from the cache and compared: none is stale. With the validity
     tags disabled (negative control), the same run does use stale summaries."""
-    prompts = [long_text(20 + 5 * i, seed=i) for i in range(10)]  # ~350 .. ~1150 tokens
+    prompts = [long_text(20 + 5 * i, seed=i) for i in range(8)]  # ~350 .. ~950 tokens
     prompts = [p for p in prompts if len(tokenize(p)) < 990]
     llm = {**F32, "max_model_len": 1024, "num_gpu_blocks_override": 16, "max_num_seqs": 2}
-    spec = {"llm": llm, "prompts": prompts, "max_tokens": 24, "locks": LocksConfig(budget=64).to_json(),
-            "batches": [[i, i + 1] for i in range(0, len(prompts), 2)]}
+    spec = {"llm": llm, "prompts": prompts, "max_tokens": 12, "locks": LocksConfig(budget=64).to_json(),
+            "batches": [list(range(i, min(i + 2, len(prompts)))) for i in range(0, len(prompts), 2)]}
     trace = tmp_path / "trace.jsonl"
     out = run_engine(spec, tmp_path, "tags", env={"KVLOCKS_VLLM_TRACE": str(trace), "KVLOCKS_VLLM_VERIFY": "1"})
     recs = read_trace(trace)
