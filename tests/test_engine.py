@@ -614,14 +614,24 @@ def test_on_scored_runs_once_per_layer_between_score_and_selection(monkeypatch):
     assert all(events[i:i + 3] == ["score_pages", "hook", "select_pages"] for i in range(0, len(events), 3))
 
 
+def test_prefetch_fork_point_is_checked(monkeypatch):
+    from kvlocks.engine import step as step_mod
+
+    monkeypatch.setattr(step_mod, "L2_PREFETCH_AT", "attention")
+    with pytest.raises(ValueError, match="L2_PREFETCH_AT"):
+        DecodeEngine(_tiny("llama3.1-8b"), EngineConfig(method="locks", locks=LocksConfig(budget=32), max_context=64))
+
+
 @pytest.mark.skipif(not CUDA, reason="L2 prefetch is CUDA only")
-def test_l2_prefetch_keeps_the_tokens_under_cuda_graphs(monkeypatch):
+@pytest.mark.parametrize("at", ["scored", "query"])
+def test_l2_prefetch_keeps_the_tokens_under_cuda_graphs(at, monkeypatch):
     """With each layer's o_proj / MLP weights prefetched on a side stream beside its selection and
     attention, the graph-replayed LOCKS decode gives the tokens it gives without (prefetches change
     no value), and each layer prefetches its weights' leading bytes up to the budget."""
     from kvlocks.engine import step as step_mod
     from kvlocks.engine.prefetch import LINE, L2Prefetcher
 
+    monkeypatch.setattr(step_mod, "L2_PREFETCH_AT", at)
     model = _tiny("glm4-9b-1m", seed=3).to("cuda")
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     out = {}

@@ -41,7 +41,8 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", None),
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
             "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False),
-            "L2_PREFETCH": ("kvlocks.engine.step", False), "L2_FRACTION": ("kvlocks.engine.prefetch", 0.5)}
+            "L2_PREFETCH": ("kvlocks.engine.step", False), "L2_FRACTION": ("kvlocks.engine.prefetch", 0.5),
+            "L2_PREFETCH_AT": ("kvlocks.engine.step", "scored")}
 SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
 OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
@@ -56,7 +57,8 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"},
          "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False},
          "l2_prefetch": {"L2_PREFETCH": True}, "l2_prefetch_075": {"L2_PREFETCH": True, "L2_FRACTION": 0.75},
-         "l2_prefetch_025": {"L2_PREFETCH": True, "L2_FRACTION": 0.25}}
+         "l2_prefetch_025": {"L2_PREFETCH": True, "L2_FRACTION": 0.25},
+         "l2_prefetch_q": {"L2_PREFETCH": True, "L2_PREFETCH_AT": "query"}}
 
 
 def apply(mode: str) -> None:

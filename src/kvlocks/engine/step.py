@@ -53,6 +53,10 @@ COMPILE_MODE = None
 # selection and attention run (kvlocks.engine.prefetch; same results). Prepared, off until timed on
 # the H200 (select_ab.py --modes defaults11,l2_prefetch).
 L2_PREFETCH = False
+# when the side stream forks: "scored" (after the score launch: beside the selection and attention
+# only) or "query" (before the score kernel, which reads at ~55% of HBM bandwidth at 1M; the
+# prefetched lines must then outlast its 200+ MB of summary reads, held by their evict-last priority)
+L2_PREFETCH_AT = "scored"
 
 
 class DecodeStep:
@@ -81,7 +85,9 @@ class DecodeStep:
         self.attn = make_attention(method, cache, num_q_heads=parts.num_q_heads, scale=parts.scale,
                                    dtype=parts.dtype, backend=backend)
         self.logits = None  # [B, V] of the last step (a graph output when replayed)
-        self._prefetch = None
+        self._prefetch, self._prefetch_at = None, L2_PREFETCH_AT
+        if self._prefetch_at not in ("scored", "query"):
+            raise ValueError(f"L2_PREFETCH_AT={self._prefetch_at!r}: allowed 'scored', 'query'")
         if L2_PREFETCH and method == "locks" and dev.type == "cuda":
             from kvlocks.engine.prefetch import L2Prefetcher, weights_after_attention
 
@@ -123,7 +129,11 @@ class DecodeStep:
                 self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
                 self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
                 q = q[:, :, 0].contiguous()
-            fetch = None if self._prefetch is None else (lambda li=li: self._prefetch.launch(li))
+            fetch = None  # the layer's weight prefetch: forked here ("query") or after the score launch
+            if self._prefetch is not None and self._prefetch_at == "query":
+                self._prefetch.launch(li)
+            elif self._prefetch is not None:
+                fetch = lambda li=li: self._prefetch.launch(li)  # noqa: E731
             out = self.attn.run(li, q, self.lens_next, build=build, on_scored=fetch)  # [B, Hq, D]
             x = self._finish(layer, x, out.reshape(bsz, 1, hq * d))
             if self._prefetch is not None:
