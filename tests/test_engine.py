@@ -629,7 +629,7 @@ def test_l2_prefetch_keeps_the_tokens_under_cuda_graphs(at, monkeypatch):
     attention, the graph-replayed LOCKS decode gives the tokens it gives without (prefetches change
     no value), and each layer prefetches its weights' leading bytes up to the budget."""
     from kvlocks.engine import step as step_mod
-    from kvlocks.engine.prefetch import LINE, L2Prefetcher
+    from kvlocks.engine.prefetch import LINE, L2Prefetcher, weights_after_attention
 
     monkeypatch.setattr(step_mod, "L2_PREFETCH_AT", at)
     model = _tiny("glm4-9b-1m", seed=3).to("cuda")
@@ -643,9 +643,7 @@ def test_l2_prefetch_keeps_the_tokens_under_cuda_graphs(at, monkeypatch):
         pf = eng.step._prefetch
         assert (pf is not None) == on
         if on:  # the tiny model's weights fit the budget: all of them, every layer
-            layer = model.model.layers[0]
-            total = sum(w.numel() * w.element_size() for w in (layer.self_attn.o_proj.weight,
-                        *[m.weight for m in layer.mlp.modules() if isinstance(m, torch.nn.Linear)]))
+            total = sum(w.numel() * w.element_size() for w in weights_after_attention(model.model.layers[0]))
             assert pf.bytes_per_layer == [total] * model.config.num_hidden_layers
     assert torch.equal(out[False], out[True])
     # a budget cuts the list at a line boundary: 1000 bytes -> the first 7 lines of the first weight
