@@ -74,22 +74,10 @@ def main() -> None:
         assert "ld.global.cg" in ptx  # the merge reads other programs' winners past L1
     build_kernels()
     attention_kernels()
-    prefetch_kernel()
     import triton
 
     print("triton", triton.__version__)
     print("compiled")
-
-
-def prefetch_kernel() -> None:
-    """The engine's L2 prefetch: its inline PTX assembles, one evict-last L2 prefetch per line."""
-    from kvlocks.engine import prefetch as pf
-
-    k = _compile(pf._prefetch_kernel, {"base": "*u8", "n_lines": "i32", "sink_ptr": "*i32"},
-                 dict(LINE=pf.LINE, PER=pf.LINES_PER_PROGRAM), 4)
-    ptx = k.asm["ptx"]
-    assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 500
-    assert ptx.count("prefetch.global.L2::evict_last") == pf.LINES_PER_PROGRAM // 128  # lines per thread
 
 
 def build_kernels() -> None:

@@ -8,9 +8,7 @@ early-stopping radix passes, the merge on registers and 5-bit digits, by setting
 (``scoring.cuda_mma.BALANCED``) and its 5- or 6-blocks-per-SM variant (``MIN_BLOCKS``), and with or
 without the incremental-build launches on steps that fill no page (``engine.graph.SKIP_IDLE_BUILDS``),
 with each layer's q/k/v projections as one product (``engine.step.FUSE_QKV``), and with the
-radix passes over rebased keys (``selection.triton.REBASE_KEYS``), with each layer's o_proj / MLP
-weights prefetched into L2 beside its selection and attention (``engine.step.L2_PREFETCH``, budget
-``engine.prefetch.L2_FRACTION`` of the L2), with the K/V writes inside the
+radix passes over rebased keys (``selection.triton.REBASE_KEYS``), with the K/V writes inside the
 compiled projection piece (``engine.step.KV_WRITE_IN_PIECE``), with the attention's split merge
 done by each row's last split (``attention.triton.MERGE_IN_KERNEL``), all four (``prepared10``), and
 with Inductor's max-autotune for the compiled pieces (``engine.step.COMPILE_MODE``).
@@ -40,9 +38,7 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "REBASE_KEYS": ("kvlocks.selection.triton", True),
             "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", None),
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
-            "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False),
-            "L2_PREFETCH": ("kvlocks.engine.step", False), "L2_FRACTION": ("kvlocks.engine.prefetch", 0.5),
-            "L2_PREFETCH_AT": ("kvlocks.engine.step", "scored")}
+            "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False)}
 SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
 OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
@@ -55,10 +51,7 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "merge_in_kernel": {"MERGE_IN_KERNEL": True},
          "prepared10": {"MERGE_IN_KERNEL": True},
          "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"},
-         "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False},
-         "l2_prefetch": {"L2_PREFETCH": True}, "l2_prefetch_075": {"L2_PREFETCH": True, "L2_FRACTION": 0.75},
-         "l2_prefetch_025": {"L2_PREFETCH": True, "L2_FRACTION": 0.25},
-         "l2_prefetch_q": {"L2_PREFETCH": True, "L2_PREFETCH_AT": "query"}}
+         "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}}
 
 
 def apply(mode: str) -> None:

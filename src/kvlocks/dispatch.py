@@ -174,9 +174,8 @@ class DecodePlan:
                 "attend": attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device),
             }
 
-    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, on_scored=None):
-        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``.
-        ``on_scored``: called (no arguments) right after the score launch, before the selection."""
+    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
+        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
         c, be = self.config, self.backend
         if be == "triton" and self.fused:  # score kernel, then combine + selection fused in one launch
             from kvlocks.scoring.triton import score_pages_paged
@@ -184,16 +183,12 @@ class DecodePlan:
 
             score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
                               workspace=self.ws["score"], rank=False)
-            if on_scored is not None:
-                on_scored()
             self.pages = rank_and_select(self.ws["score"], seq_lens, page_size=c.page_size, k=self.k,
                                          combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
                                          workspace=self.ws["select"])
         else:
             _, _, ranking = score_pages(queries, summaries, block_table, seq_lens, scale=self.scale,
                                         combine=c.combine, backend=be, workspace=self.ws.get("score"))
-            if on_scored is not None:
-                on_scored()
             self.pages = select_pages(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
                                       recent_pages=c.recent_pages, backend=be, workspace=self.ws.get("select"))
         return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,

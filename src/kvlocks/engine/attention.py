@@ -33,17 +33,14 @@ class LocksAttention:
                                device=cache.k.device, scale=scale, backend=backend)
         self.kernel = "kvlocks DecodePlan (score -> select -> attend), " + backend
 
-    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True,
-            on_scored=None) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
         """q ``[B, Hq, D]`` (the new token's K/V already written; ``seq_lens`` counts it) -> ``[B, Hq, D]``.
-        ``build=False`` skips the incremental build launch: only for steps that fill no page.
-        ``on_scored``: called right after the score launch (:meth:`DecodePlan.run`)."""
+        ``build=False`` skips the incremental build launch: only for steps that fill no page."""
         c = self.cache
         # the page this token filled gets its summary before scoring, as in the HF path
         if build:
             build_new_pages(c.k[layer], c.summaries[layer], c.block_table, seq_lens, c.config, backend=self.backend)
-        out, _ = self.plan.run(q, c.k[layer], c.v[layer], c.summaries[layer], c.block_table, seq_lens,
-                               on_scored=on_scored)
+        out, _ = self.plan.run(q, c.k[layer], c.v[layer], c.summaries[layer], c.block_table, seq_lens)
         return out
 
 
@@ -68,10 +65,8 @@ class DenseAttention:
         else:
             self.kernel = DENSE_REFERENCE
 
-    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True,
-            on_scored=None) -> torch.Tensor:
-        """q ``[B, Hq, D]`` -> ``[B, Hq, D]`` over every cached token (``build``, ``on_scored``: unused,
-        no summaries and no scoring)."""
+    def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
+        """q ``[B, Hq, D]`` -> ``[B, Hq, D]`` over every cached token (``build``: unused, no summaries)."""
         c = self.cache
         if self.backend == "triton":
             out, _ = paged_decode(q, c.k[layer], c.v[layer], c.block_table, seq_lens, self.pages, scale=self.scale,

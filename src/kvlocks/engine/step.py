@@ -49,14 +49,6 @@ DYNAMIC_CACHE_ROWS = True
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
 # stays ours). Untimed so far (select_ab.py --modes ...,max_autotune).
 COMPILE_MODE = None
-# LOCKS on CUDA: prefetch each layer's o_proj / MLP weights into L2 on a side stream while its
-# selection and attention run (kvlocks.engine.prefetch; same results). Prepared, off until timed on
-# the H200 (select_ab.py --modes defaults11,l2_prefetch).
-L2_PREFETCH = False
-# when the side stream forks: "scored" (after the score launch: beside the selection and attention
-# only) or "query" (before the score kernel, which reads at ~55% of HBM bandwidth at 1M; the
-# prefetched lines must then outlast its 200+ MB of summary reads, held by their evict-last priority)
-L2_PREFETCH_AT = "scored"
 
 
 class DecodeStep:
@@ -85,13 +77,6 @@ class DecodeStep:
         self.attn = make_attention(method, cache, num_q_heads=parts.num_q_heads, scale=parts.scale,
                                    dtype=parts.dtype, backend=backend)
         self.logits = None  # [B, V] of the last step (a graph output when replayed)
-        self._prefetch, self._prefetch_at = None, L2_PREFETCH_AT
-        if self._prefetch_at not in ("scored", "query"):
-            raise ValueError(f"L2_PREFETCH_AT={self._prefetch_at!r}: allowed 'scored', 'query'")
-        if L2_PREFETCH and method == "locks" and dev.type == "cuda":
-            from kvlocks.engine.prefetch import L2Prefetcher, weights_after_attention
-
-            self._prefetch = L2Prefetcher([weights_after_attention(layer) for layer in parts.layers])
         n, s = cache.num_pages, cache.page_size
         self._k_flat = [cache.k[i].view(n * s, *cache.k.shape[-2:]) for i in range(cache.k.shape[0])]
         self._v_flat = [cache.v[i].view(n * s, *cache.v.shape[-2:]) for i in range(cache.v.shape[0])]
@@ -129,15 +114,8 @@ class DecodeStep:
                 self._k_flat[li].index_copy_(0, slot, k[:, :, 0])
                 self._v_flat[li].index_copy_(0, slot, v[:, :, 0])
                 q = q[:, :, 0].contiguous()
-            fetch = None  # the layer's weight prefetch: forked here ("query") or after the score launch
-            if self._prefetch is not None and self._prefetch_at == "query":
-                self._prefetch.launch(li)
-            elif self._prefetch is not None:
-                fetch = lambda li=li: self._prefetch.launch(li)  # noqa: E731
-            out = self.attn.run(li, q, self.lens_next, build=build, on_scored=fetch)  # [B, Hq, D]
+            out = self.attn.run(li, q, self.lens_next, build=build)  # [B, Hq, D]
             x = self._finish(layer, x, out.reshape(bsz, 1, hq * d))
-            if self._prefetch is not None:
-                self._prefetch.join()
         logits = p.lm_head(p.norm(x))[:, 0]  # [B, V]
         torch.argmax(logits, dim=-1, out=self.tokens)
         c.seq_lens.copy_(self.lens_next)
