@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in session 15 (docs/results/gpu_session15/call1); the prefetch and its l2_prefetch A/B modes were
+# removed afterwards (slower), so it runs only at commit c1284b3.
 # Next session's first call (~7 min; carry .device/wheels: `bash scripts/device/prepare.sh` first).
 # 1. the L2 prefetch prepared in session 14 (engine.step.L2_PREFETCH, off): its GPU test (same tokens
 #    with the prefetch on, under CUDA graphs), then GLM-4-9B end to end, interleaved A/B at 1M (budget
