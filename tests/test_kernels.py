@@ -544,3 +544,59 @@ def test_decode_step_is_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monkeypatch):
+    """kvlocks.attention.tune: every candidate launch (pages per step, warps, stages, split count)
+    computes the reference dense attention; the tuner returns the launch its timer says is fastest,
+    and rejects a launch whose output differs from the default's even when it times fastest."""
+    from kvlocks.attention import tune
+
+    g, d, hkv = 4, 64, 2
+    q, kc, vc, table, seq = make_paged(LENS["c"], hkv, g, d, BF16, seed=3)
+    bsz = len(seq)
+    dense = attn_tri.identity_pages(bsz, hkv, table.shape[1], DEV)
+    shape = dict(batch=bsz, num_q_heads=hkv * g, head_dim=d, list_len=table.shape[1], rows=bsz * hkv,
+                 dtype=q.dtype, device=DEV)
+    for launch in tune.CANDIDATES:
+        out, lse = attn_tri.paged_decode(q, kc, vc, table, seq, dense, workspace=tune.workspace_for(launch, **shape))
+        for b in range(bsz):
+            n = int(seq[b])
+            keys = kc[table[b, : -(-n // S)].long()].permute(2, 0, 1, 3).flatten(1, 2)[:, :n]
+            vals = vc[table[b, : -(-n // S)].long()].permute(2, 0, 1, 3).flatten(1, 2)[:, :n]
+            o, ref_lse = attn_ref.dense_decode(q[b].view(hkv, g, d), keys, vals)
+            assert torch.allclose(out[b].float(), o.reshape(-1, d).float(), atol=2e-2, rtol=2e-2), launch
+            assert torch.allclose(lse[b], ref_lse.reshape(-1), atol=1e-3), launch
+
+    fast, wrong = tune.DenseLaunch(8, 4, 2, 2.0), tune.DenseLaunch(4, 8, 2, 0.5)
+    real = tune.paged_decode
+
+    def corrupting(*args, workspace, **kw):  # the `wrong` launch returns a shifted output
+        out, lse = real(*args, workspace=workspace, **kw)
+        if workspace["launch"] == {"num_warps": 8, "num_stages": 2} and workspace["ppi"] == 4:
+            out = out + 1.0
+        return out, lse
+
+    monkeypatch.setattr(tune, "paged_decode", corrupting)
+    calls = []
+
+    def timer(run):  # seconds by launch: `wrong` fastest, then `fast`, the rest slower
+        ws = run.__defaults__[0]
+        calls.append(ws["splits"])
+        key = (ws["ppi"], ws["launch"]["num_warps"], ws["launch"]["num_stages"])
+        return {(4, 8, 2): 1e-6, (8, 4, 2): 2e-6}.get(key, 5e-6) + 1e-9 * ws["splits"]
+
+    res = tune.fastest_dense(q, [kc], [vc], table, seq, dense, candidates=(fast, wrong, tune.DEFAULT),
+                             timer=timer, rounds=3)
+    assert res.launch == fast  # `wrong` timed faster but its output differs
+    assert "output differs" in res.rejected[wrong.label()] and res.times_us[wrong.label()] is None
+    assert res.times_us[fast.label()] == pytest.approx(2 + 1e-3 * res.workspace["splits"])
+    assert len(calls) == 3 * 2  # rounds x the two launches that passed the check
+    assert res.workspace["ppi"] == 8 and res.workspace["launch"] == {"num_warps": 4, "num_stages": 2}
+    with pytest.raises(ValueError, match="candidates"):
+        tune.fastest_dense(q, [kc], [vc], table, seq, dense, candidates=())
+    if CUDA:  # the real timer: CUDA graphs of launches over the layers
+        monkeypatch.setattr(tune, "paged_decode", real)
+        res = tune.fastest_dense(q, [kc, kc], [vc, vc], table, seq, dense)
+        assert not res.rejected and all(t > 0 for t in res.times_us.values())
+        assert res.times_us[res.launch.label()] == min(res.times_us.values())

@@ -33,6 +33,9 @@ class LocksAttention:
                                device=cache.k.device, scale=scale, backend=backend)
         self.kernel = "kvlocks DecodePlan (score -> select -> attend), " + backend
 
+    def tune(self) -> None:
+        """Nothing to time: the plan's launches are sized from the shapes (kvlocks.dispatch)."""
+
     def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
         """q ``[B, Hq, D]`` (the new token's K/V already written; ``seq_lens`` counts it) -> ``[B, Hq, D]``.
         ``build=False`` skips the incremental build launch: only for steps that fill no page."""
@@ -46,7 +49,8 @@ class LocksAttention:
 
 class DenseAttention:
     """Dense decode attention over every token: the split-KV Triton kernel over the identity page
-    list (the fastest dense decode measured on the H200, docs/kernels.md), or the reference."""
+    list (the fastest dense decode measured on the H200, docs/kernels.md) in its fastest launch for
+    this cache (:meth:`tune`), or the reference."""
 
     name = "dense"
 
@@ -64,6 +68,25 @@ class DenseAttention:
             self.kernel = DENSE_KERNEL
         else:
             self.kernel = DENSE_REFERENCE
+        self.num_q_heads, self.dtype = num_q_heads, dtype
+        self.tuned = None  # kvlocks.attention.tune.TuneResult once tune() ran
+
+    def tune(self) -> None:
+        """On CUDA (Triton backend), time the split-KV kernel's candidate launches on this cache at
+        its current length and keep the fastest (:mod:`kvlocks.attention.tune`); ``kernel`` then
+        names it. Call before a CUDA graph of the step is captured (the graph keeps the workspace it
+        saw). Elsewhere, or on an empty cache, nothing changes."""
+        c = self.cache
+        if self.backend != "triton" or c.k.device.type != "cuda" or c.length == 0:
+            return
+        from kvlocks.attention.tune import fastest_dense
+
+        d = c.k.shape[-1]
+        gen = torch.Generator(device=c.k.device).manual_seed(0)
+        q = torch.randn(c.batch, self.num_q_heads, d, generator=gen, device=c.k.device).to(self.dtype)
+        res = fastest_dense(q, list(c.k), list(c.v), c.block_table, c.seq_lens, self.pages, scale=self.scale)
+        self.ws, self.tuned = res.workspace, res
+        self.kernel = f"{DENSE_KERNEL}, launch {res.describe()} at {c.length} tokens"
 
     def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
         """q ``[B, Hq, D]`` -> ``[B, Hq, D]`` over every cached token (``build``: unused, no summaries)."""

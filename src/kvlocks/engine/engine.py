@@ -102,7 +102,9 @@ class DecodeEngine:
         for i in range(steps):
             if self._reaches_auto_threshold():
                 self._switch_to_locks()
-            if self.runner is None:
+            if self.runner is None:  # first step of this method: pick its launches, then capture
+                if self.config.tune_dense:
+                    self.step.attn.tune()
                 self.runner = self._runners[self.method] = StepRunner(self.step, use_graph=self.use_graph)
             self.runner()  # advances cache.length
             out[:, i].copy_(self.step.tokens)
