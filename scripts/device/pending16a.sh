@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 16's first call (~9 min): the dense baseline tuned (kvlocks.attention.tune) checked on the
+# Session 16's first call (~3 min; run as call 1, its -k also deselected the engine tests): the dense baseline tuned (kvlocks.attention.tune) checked on the
 # GPU (the tuner's kernel test, the engine's CUDA-graph tests, which tune before capture), then every
 # GLM-4-9B batch-1 e2e row, dense and LOCKS, against the tuned dense.
 # Usage on the device: bash scripts/device/pending16a.sh "$OUT"

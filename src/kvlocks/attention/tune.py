@@ -43,7 +43,7 @@ DEFAULT = DenseLaunch()
 CANDIDATES: tuple[DenseLaunch, ...] = tuple(
     DenseLaunch(ppi, warps, stages, f)
     for ppi, warps, stages in ((4, 4, 3), (8, 8, 2), (8, 4, 2), (4, 8, 2))
-    for f in (1.0, 2.0, 0.5)
+    for f in (1.0, 2.0, 0.5, 0.25)
 )
 
 
