@@ -207,6 +207,7 @@ def test_triton_backend_matches_torch_backend():
 def test_engine_with_cuda_score_kernel_equals_triton_score_kernel(monkeypatch):
     """bf16 model: the engine's tokens and logits with the CUDA score kernel (the default) equal
     those with the Triton packed kernel; everything else (builds, selection, attention) is shared."""
+    _one_attention_launch(monkeypatch)
     model = _tiny("glm4-9b-1m", seed=1, num_hidden_layers=2).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(0)).cuda()
     out = {}
@@ -291,9 +292,9 @@ def test_incremental_build_runs_only_on_steps_that_fill_a_page(monkeypatch):
                                                         max_context=128)).generate(ids, max_new_tokens=21), tokens)
 
 
-def _one_dense_launch(monkeypatch):
-    """Engines tune dense at their first step by timing; tests comparing two engines' tokens give
-    the tuner one (non-default) launch, so both run the same float sums."""
+def _one_attention_launch(monkeypatch):
+    """Engines tune their attention launch at their first step by timing; tests comparing two
+    engines' tokens give the tuner one (non-default) launch, so both run the same float sums."""
     from kvlocks.attention import tune
 
     launch = tune.DenseLaunch(8, 8, 2, 2.0)
@@ -310,7 +311,7 @@ def test_cuda_graph_replay_equals_eager_steps(skip_idle, monkeypatch):
     from kvlocks.engine import graph
 
     monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", skip_idle)
-    launch = _one_dense_launch(monkeypatch)
+    launch = _one_attention_launch(monkeypatch)
     model = _tiny("llama3.1-8b", seed=3).to("cuda")
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     for method in ("dense", "locks"):
@@ -318,8 +319,9 @@ def test_cuda_graph_replay_equals_eager_steps(skip_idle, monkeypatch):
                                                     max_context=400, cuda_graph=g)) for g in (False, True)]
         out = [e.generate(ids, max_new_tokens=40) for e in engines]
         assert torch.equal(out[0], out[1]), method
-        if method == "dense":  # both tuned at their first step, the graph captured with that launch
-            assert [e.step.attn.tuned.launch for e in engines] == [launch, launch]
+        # both tuned at their first step (LOCKS: its attention over the selected pages), the graph
+        # captured with that launch
+        assert [e.step.attn.tuned.launch for e in engines] == [launch, launch], method
         expect = [False, True] if skip_idle and method == "locks" else [method == "locks"]
         assert sorted(engines[1].runner.graphs) == expect, method
 
@@ -329,7 +331,7 @@ def test_auto_switch_mid_decode_with_cuda_graphs(monkeypatch):
     """method="auto" on the GPU: a graph-replayed dense decode switches to LOCKS (bulk build, then
     LOCKS's graph captured) at the threshold; the tokens equal the eager engine's doing the same,
     and at a budget covering the context, the dense engine's."""
-    _one_dense_launch(monkeypatch)
+    _one_attention_launch(monkeypatch)
     model = _tiny("llama3.1-8b", seed=3).to("cuda")
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     cfg = dict(batch=2, max_context=400)
@@ -486,8 +488,8 @@ def test_bad_input_raises_clear_errors():
         EngineConfig(batch=0)
     with pytest.raises(ValueError, match="EngineConfig.compile"):
         EngineConfig(compile="yes")
-    with pytest.raises(ValueError, match=r"EngineConfig.tune_dense='no': allowed True or False"):
-        EngineConfig(tune_dense="no")
+    with pytest.raises(ValueError, match=r"EngineConfig.tune_attention='no': allowed True or False"):
+        EngineConfig(tune_attention="no")
     with pytest.raises(ValueError, match="model_type"):
         model_parts(torch.nn.Linear(2, 2))
     model = _tiny("llama3.1-8b", num_hidden_layers=1)

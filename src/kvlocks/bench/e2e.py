@@ -272,7 +272,7 @@ class _Case:
         self.cache.set_length(self.n)
         step = DecodeStep(self.parts, self.cache, method=method, backend=self.b.backend, compile=cfg.compile)
         step.tokens.copy_(self.first)
-        step.attn.tune()  # dense: the fastest launch of its kernel for this cache (before the graph)
+        step.attn.tune()  # the attention kernel's fastest launch for this cache (before the graph)
         runner = StepRunner(step, use_graph=self.b.use_graph)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -280,7 +280,7 @@ class _Case:
         tpot = statistics.median(times)
         tuned = getattr(step.attn, "tuned", None)
         row = {"method": method, "kernel": step.attn.kernel, "compiled": cfg.compile, "tpot_ms": tpot,
-               "dense_launch_us": tuned.times_us if tuned else None,
+               "attention_launch_us": tuned.times_us if tuned else None,
                "tpot_mean_ms": statistics.fmean(times), "tpot_max_ms": max(times), "steps": cfg.steps,
                "tpot_p10_ms": _quantile(times, 0.1), "tpot_p90_ms": _quantile(times, 0.9),
                "budget": cfg.budget if method == "locks" else None,

@@ -32,9 +32,29 @@ class LocksAttention:
                                max_pages=cache.max_pages, config=cache.config, dtype=dtype,
                                device=cache.k.device, scale=scale, backend=backend)
         self.kernel = "kvlocks DecodePlan (score -> select -> attend), " + backend
+        self.num_q_heads, self.dtype, self.scale = num_q_heads, dtype, scale
+        self.tuned = None  # kvlocks.attention.tune.TuneResult of the attention over the selected pages
 
     def tune(self) -> None:
-        """Nothing to time: the plan's launches are sized from the shapes (kvlocks.dispatch)."""
+        """On CUDA (Triton backend), time the split-KV kernel's candidate launches over a budget of
+        pages per (sequence, KV head), scattered over the cache's current length as a selection's
+        are, and keep the fastest for the plan's attention (the score and selection launches are
+        sized from the shapes). Call before a CUDA graph of the step is captured. Elsewhere, or on
+        an empty cache, nothing changes."""
+        c = self.cache
+        if not _can_tune(self.backend, c):
+            return
+        dev = c.k.device
+        total = -(-c.length // c.page_size)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        pages = torch.full((c.batch, c.k.shape[-2], self.plan.k), -1, dtype=torch.int32, device=dev)
+        for b in range(c.batch):
+            for h in range(pages.shape[1]):
+                pick = torch.randperm(total, generator=gen, device=dev)[: self.plan.k]
+                pages[b, h, : pick.numel()] = pick.to(torch.int32)
+        res = _fastest(self, pages)
+        self.plan.ws["attend"], self.tuned = res.workspace, res
+        self.kernel = f"kvlocks DecodePlan (score -> select -> attend), {self.backend}; attend launch {res.describe()}"
 
     def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
         """q ``[B, Hq, D]`` (the new token's K/V already written; ``seq_lens`` counts it) -> ``[B, Hq, D]``.
@@ -77,14 +97,9 @@ class DenseAttention:
         names it. Call before a CUDA graph of the step is captured (the graph keeps the workspace it
         saw). Elsewhere, or on an empty cache, nothing changes."""
         c = self.cache
-        if self.backend != "triton" or c.k.device.type != "cuda" or c.length == 0:
+        if not _can_tune(self.backend, c):
             return
-        from kvlocks.attention.tune import fastest_dense
-
-        d = c.k.shape[-1]
-        gen = torch.Generator(device=c.k.device).manual_seed(0)
-        q = torch.randn(c.batch, self.num_q_heads, d, generator=gen, device=c.k.device).to(self.dtype)
-        res = fastest_dense(q, list(c.k), list(c.v), c.block_table, c.seq_lens, self.pages, scale=self.scale)
+        res = _fastest(self, self.pages)
         self.ws, self.tuned = res.workspace, res
         self.kernel = f"{DENSE_KERNEL}, launch {res.describe()} at {c.length} tokens"
 
@@ -107,6 +122,21 @@ class DenseAttention:
             o, _ = dense_decode(q[b].view(hkv, self.group, d), keys, values, scale=self.scale)
             out[b] = o.reshape(hq, d)
         return out
+
+
+def _can_tune(backend: str, cache: StaticPagedCache) -> bool:
+    return backend == "triton" and cache.k.device.type == "cuda" and cache.length > 0
+
+
+def _fastest(attn, page_list: torch.Tensor):
+    """The fastest split-KV launch of ``attn`` (either class) over ``page_list`` on its cache, timed
+    with random queries of its dtype (:func:`kvlocks.attention.tune.fastest_dense`)."""
+    from kvlocks.attention.tune import fastest_dense
+
+    c = attn.cache
+    gen = torch.Generator(device=c.k.device).manual_seed(0)
+    q = torch.randn(c.batch, attn.num_q_heads, c.k.shape[-1], generator=gen, device=c.k.device).to(attn.dtype)
+    return fastest_dense(q, list(c.k), list(c.v), c.block_table, c.seq_lens, page_list, scale=attn.scale)
 
 
 def make_attention(method: str, cache: StaticPagedCache, *, num_q_heads: int, scale: float, dtype, backend: str):

@@ -44,10 +44,11 @@ class EngineConfig(ConfigIO):
         runs the next layers (:mod:`kvlocks.engine.overlap`); False builds each in line, on the prefill's stream
     compile : run the decode step's per-layer pieces around the attention through ``torch.compile``
         (:class:`~kvlocks.engine.step.DecodeStep`); the first step compiles them
-    tune_dense : (dense, Triton on CUDA) at the first dense step, time the split-KV kernel's
-        candidate launches on the cache and keep the fastest (:mod:`kvlocks.attention.tune`; a few ms
-        plus one compile per launch shape, once). The launches sum in different orders, so tokens may
-        differ from an untuned run's at the level of float rounding; False keeps the default launch
+    tune_attention : (Triton on CUDA) at a method's first decode step, time the split-KV attention
+        kernel's candidate launches on the cache (dense: over every page; LOCKS: over a budget of
+        scattered pages) and keep the fastest (:mod:`kvlocks.attention.tune`; a few ms plus one
+        compile per launch shape, once). The launches sum in different orders, so tokens may differ
+        from an untuned run's at the level of float rounding; False keeps the default launch
     """
 
     method: str = "locks"
@@ -60,7 +61,7 @@ class EngineConfig(ConfigIO):
     overlap_build: bool = True
     compile: bool = False
     auto_min_context: int | None = None
-    tune_dense: bool = True
+    tune_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -81,8 +82,8 @@ class EngineConfig(ConfigIO):
             check_int("EngineConfig", "auto_min_context", self.auto_min_context, 0)
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
-        if self.tune_dense not in (True, False):
-            raise ValueError(f"EngineConfig.tune_dense={self.tune_dense!r}: allowed True or False")
+        if self.tune_attention not in (True, False):
+            raise ValueError(f"EngineConfig.tune_attention={self.tune_attention!r}: allowed True or False")
         if self.cuda_graph not in (None, True, False):
             raise ValueError(f"EngineConfig.cuda_graph={self.cuda_graph!r}: allowed True, False or None")
         for name in ("overlap_build", "compile"):

@@ -103,7 +103,7 @@ class DecodeEngine:
             if self._reaches_auto_threshold():
                 self._switch_to_locks()
             if self.runner is None:  # first step of this method: pick its launches, then capture
-                if self.config.tune_dense:
+                if self.config.tune_attention:
                     self.step.attn.tune()
                 self.runner = self._runners[self.method] = StepRunner(self.step, use_graph=self.use_graph)
             self.runner()  # advances cache.length
