@@ -7,10 +7,11 @@
 # Usage on the device: bash scripts/device/pending16.sh "$OUT"
 set -u
 out=${1:?output folder}
-KVLOCKS_TEST_TIMEOUT=570 bash scripts/device/gpu_tests.sh "$out/tests" 8 tests/test_kernels.py tests/test_nvcc.py \
+KVLOCKS_TEST_TIMEOUT=560 bash scripts/device/gpu_tests.sh "$out/tests" 8 tests/test_kernels.py tests/test_nvcc.py \
     tests/test_engine.py::test_engine_with_cuda_score_kernel_equals_triton_score_kernel \
     tests/test_engine.py::test_cuda_graph_replay_equals_eager_steps \
     tests/test_engine.py::test_compiled_step_equals_eager_and_compiles_once_for_all_layers \
+    tests/test_engine.py::test_auto_switch_mid_decode_with_cuda_graphs tests/test_engine.py::test_triton_backend_matches_torch_backend \
     -v -v --durations=20 > /dev/null
 grep -c PASSED "$out/tests/pytest_gpu.txt"; grep -E "FAILED|ERROR" "$out/tests/pytest_gpu.txt" | head -20
 tail -3 "$out/tests/pytest_gpu.txt"
