@@ -7,7 +7,7 @@
 # Usage on the device: bash scripts/device/pending16.sh "$OUT"
 set -u
 out=${1:?output folder}
-KVLOCKS_TEST_TIMEOUT=560 bash scripts/device/gpu_tests.sh "$out/tests" 8 tests/test_kernels.py tests/test_nvcc.py \
+KVLOCKS_TEST_TIMEOUT=490 bash scripts/device/gpu_tests.sh "$out/tests" 8 tests/test_kernels.py tests/test_nvcc.py \
     tests/test_engine.py::test_engine_with_cuda_score_kernel_equals_triton_score_kernel \
     tests/test_engine.py::test_cuda_graph_replay_equals_eager_steps \
     tests/test_engine.py::test_compiled_step_equals_eager_and_compiles_once_for_all_layers \
