@@ -194,7 +194,7 @@ def _bytes(case, k_pages):
     return {**variants, "x_score_combine": rows * case.p * 4 * (case.g + 1), "x_launch_floor": 4,
             "x_select_unfused": rows * case.p * 4 * (case.g + 1), "x_select_ranked": rows * case.p * 4,
             "x_select_fused": rows * case.p * 4 * case.g,
-            "x_splitk_ppi8_nw8": rows * case.p * kv_page,
+            "x_splitk_default": rows * case.p * kv_page,
             "dense_sdpa": rows * case.p * kv_page, "dense_splitk": rows * case.p * kv_page, "locks_score": summ,
             "locks_select": select, "locks_attend": attend, "locks_total": summ + select + attend}
 
@@ -231,9 +231,18 @@ def _methods(case, device):
     sw = plan.ws["score"]
     empty = torch.empty(1, device=device)
     variants = {name: dict(sw, **ws) for name, ws in SCORE_VARIANTS.items()}
-    dense8 = attention_workspace(case.bsz, case.hkv * case.g, case.d, case.p, case.bsz * case.hkv,
-                                 torch.bfloat16, device, ppi=8)
-    dense8["launch"] = {"num_warps": 8, "num_stages": 2}
+    # dense_splitk: the split-KV kernel's fastest launch for this case (kvlocks.attention.tune, as the
+    # e2e bench and the engine use it); x_splitk_default keeps the default launch for comparison
+    case.dense_launch = None
+    if device.type == "cuda":
+        from kvlocks.attention.tune import fastest_dense
+
+        tuned = fastest_dense(case.q[0], [case.kc], [case.vc], case.tables[0], case.seq, ident)
+        default_ws, dense_ws = dense_ws, tuned.workspace
+        case.dense_launch = {"label": tuned.launch.label(), "splits": dense_ws["splits"],
+                             "candidates_us": tuned.times_us}
+    else:
+        default_ws = dense_ws
     def unfused(r):  # session 6's path: combine pass, then the two-launch selection
         _combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size, c.combine)
         return select_pages_paged(sw["ranking"], case.seq, workspace=unfused_ws, **sel)
@@ -248,8 +257,8 @@ def _methods(case, device):
         "x_launch_floor": lambda r: empty.add_(1.0),
         **{name: (lambda r, w=w: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=w))
            for name, w in variants.items()},
-        "x_splitk_ppi8_nw8": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
-                                                    workspace=dense8),
+        "x_splitk_default": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
+                                                   workspace=default_ws),
     }
     return extras, {
         "dense_sdpa": sdpa,
@@ -391,6 +400,8 @@ def run_kernels_bench(out_dir, config: KernelBenchConfig | None = None, *, devic
                         try:
                             t, eager = timer(fn, n_rot, cfg)
                             extra = {"tuned": _tuned_score_config()} if name == "locks_score" else {}
+                            if name == "dense_splitk" and case.dense_launch:
+                                extra = {"launch": case.dense_launch}
                             emit(**key, method=name, time_us=t, bytes_read=nbytes[name], time_us_eager=eager,
                                  fused_select=case.p >= FUSED_MIN_PAGES,
                                  rotations=n_rot, **extra)
