@@ -107,12 +107,13 @@ def time_shapes(tokens: int, out: str, sources: list[tuple[str, str]] | None = N
         ref = [x.clone() for x in st.score_pages_paged(q, store, table, seq, workspace=ws_t)]
         emit(name="triton_packed", us=_time(lambda: st.score_pages_paged(q, store, table, seq, workspace=ws_t)))
         warps = 4
-        ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
-        ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=ppp)
-        fn = lambda: cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps)  # noqa: E731
         for rep in range(reps):  # sources interleaved: A B A B ...
             for label, path in sources:
                 cuda_mma.SOURCE = Path(path)
+                # launch sized from this source's own resident blocks per SM (a variant's may differ)
+                ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
+                ws = st.score_workspace(1, hkv, g, pc, dev, pages_per_program=ppp)
+                fn = lambda: cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps)  # noqa: E731
                 got = fn()
                 errs = [float((x[..., :pc] - y[..., :pc]).abs().max()) for x, y in zip(got, ref)]
                 emit(name="cuda_mma", source=label, rep=rep, warps=warps, ppp=ppp, us=_time(fn),
