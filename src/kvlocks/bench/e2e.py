@@ -278,7 +278,7 @@ class _Case:
             torch.cuda.reset_peak_memory_stats(dev)
         times = _time_steps(runner, dev, cfg.steps, cfg.warmup)
         tpot = statistics.median(times)
-        tuned = getattr(step.attn, "tuned", None)
+        tuned = step.attn.tuned  # both attention classes: None until tune() ran on CUDA
         row = {"method": method, "kernel": step.attn.kernel, "compiled": cfg.compile, "tpot_ms": tpot,
                "attention_launch_us": tuned.times_us if tuned else None,
                "tpot_mean_ms": statistics.fmean(times), "tpot_max_ms": max(times), "steps": cfg.steps,
