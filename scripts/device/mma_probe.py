@@ -36,7 +36,7 @@ def _err(got, exp, seq, s=16):
     return worst
 
 
-def check() -> int:
+def check(warps: int = 4) -> int:
     from kvlocks.dispatch import score_pages
     from kvlocks.scoring import cuda_mma
 
@@ -54,7 +54,13 @@ def check() -> int:
                     seq = torch.tensor([pc * 16, 16 * 23 + 5], dtype=torch.int32, device=dev)
                     q = (torch.empty(2, hkv * g, d, device=dev).normal_(generator=gen) * factor).to(dt)
                     exp = score_pages(q, store, table, seq, backend="torch", scale=scale)
-                    got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale)
+                    try:
+                        got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale, warps=warps)
+                    except RuntimeError as exc:  # a (D, G) this source does not compile at `warps`
+                        if "unsupported" not in str(exc):
+                            raise
+                        print(f"SKIP d={d} g={g}: not compiled at {warps} warps", flush=True)
+                        continue
                     err = _err(got, exp, seq)
                     ok = err <= 1e-4
                     fails += not ok
@@ -71,20 +77,21 @@ def check() -> int:
         q = torch.empty(2, hkv * g, d, device=dev).normal_(generator=gen).to(torch.bfloat16)
         exp = score_pages(q, store, table, seq, backend="torch")
         ws = st.score_workspace(2, hkv, g, pc, dev, pages_per_program=ppp)
-        err = _err(cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws), exp, seq)
+        err = _err(cuda_mma.score_pages_mma(q, store, table, seq, workspace=ws, warps=warps), exp, seq)
         fails += not err <= 1e-4
         print(f"{'ok  ' if err <= 1e-4 else 'FAIL'} ppp={ppp}: rel err {err:.2e}", flush=True)
     print("FAILURES:", fails)
     return fails
 
 
-def time_shapes(tokens: int, out: str, sources: list[tuple[str, str]] | None = None, reps: int = 1) -> None:
-    """``sources``: (label, path) of CUDA sources to time side by side (default: the library's)."""
+def time_shapes(tokens: int, out: str, sources: list[tuple[str, str, int]] | None = None, reps: int = 1) -> None:
+    """``sources``: (label, path, warps per block) of CUDA sources to time side by side (default: the
+    library's at 4 warps)."""
     from kvlocks.scoring import cuda_mma
     from kvlocks.scoring import triton as st
 
     default_source = cuda_mma.SOURCE
-    sources = sources or [("library", str(default_source))]
+    sources = sources or [("library", str(default_source), 4)]
 
     dev = torch.device("cuda")
     copy = copy_bandwidth(dev)
@@ -106,9 +113,8 @@ def time_shapes(tokens: int, out: str, sources: list[tuple[str, str]] | None = N
         ws_t["kernel"] = "packed"
         ref = [x.clone() for x in st.score_pages_paged(q, store, table, seq, workspace=ws_t)]
         emit(name="triton_packed", us=_time(lambda: st.score_pages_paged(q, store, table, seq, workspace=ws_t)))
-        warps = 4
         for rep in range(reps):  # sources interleaved: A B A B ...
-            for label, path in sources:
+            for label, path, warps in sources:
                 cuda_mma.SOURCE = Path(path)
                 # launch sized from this source's own resident blocks per SM (a variant's may differ)
                 ppp = cuda_mma.pages_per_program(pc, hkv, dev, d, g, warps)
@@ -142,30 +148,38 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--time", action="store_true")
-    ap.add_argument("--tokens", type=int, default=1 << 20)
+    ap.add_argument("--tokens", default=str(1 << 20), help="context(s) timed, comma-separated")
     ap.add_argument("--out", default="mma_probe.jsonl")
     ap.add_argument("--sources", default=None,
-                    help="LABEL=PATH,...: CUDA score sources checked, and timed side by side, interleaved "
-                         "(default: the library's)")
+                    help="LABEL=PATH[@WARPS],...: CUDA score sources checked, and timed side by side, "
+                         "interleaved, at WARPS warps per block (default 4; default source: the library's)")
     ap.add_argument("--reps", type=int, default=1, help="rounds of the interleaved --sources timings")
     ap.add_argument("--ncu", default=None, help="SHAPE:WARPS: three launches of the CUDA kernel, for Nsight Compute")
     args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
     if args.ncu:
-        ncu_target(args.ncu, args.tokens)
+        ncu_target(args.ncu, tokens[0])
         return
-    sources = [tuple(x.split("=", 1)) for x in args.sources.split(",")] if args.sources else None
+    sources = None
+    if args.sources:
+        sources = []
+        for item in args.sources.split(","):
+            label, path = item.split("=", 1)
+            path, _, warps = path.partition("@")
+            sources.append((label, path, int(warps or 4)))
     fails = 0
     if args.check:  # every source against the torch reference
         from kvlocks.scoring import cuda_mma
 
         default_source = cuda_mma.SOURCE
-        for label, path in sources or [("library", str(default_source))]:
-            print("source:", label, flush=True)
+        for label, path, warps in sources or [("library", str(default_source), 4)]:
+            print("source:", label, "warps:", warps, flush=True)
             cuda_mma.SOURCE = Path(path)
-            fails += check()
+            fails += check(warps)
         cuda_mma.SOURCE = default_source
     if args.time:
-        time_shapes(args.tokens, args.out, sources, args.reps)
+        for t in tokens:
+            time_shapes(t, args.out, sources, args.reps)
     sys.exit(1 if fails else 0)
 
 
