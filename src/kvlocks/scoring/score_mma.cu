@@ -47,11 +47,6 @@ constexpr unsigned FULL = 0xffffffffu;
 #define KVLOCKS_SCORE_CHAINS 2
 #endif
 constexpr int CHAINS = KVLOCKS_SCORE_CHAINS;
-// Two 4-page groups per pipeline step, their chains interleaved (two-warp blocks only: four group
-// slots per warp); a variant for side-by-side timing like KVLOCKS_SCORE_CHAINS.
-#ifndef KVLOCKS_SCORE_PAIR
-#define KVLOCKS_SCORE_PAIR 0
-#endif
 static_assert(CHAINS == 2 || CHAINS == 4, "KVLOCKS_SCORE_CHAINS: 2 or 4");
 constexpr float LN2 = 0.6931471805599453f;
 
@@ -255,144 +250,123 @@ __device__ __forceinline__ void issue_centroids(CentroidSlot<D>& slot, const Par
 
 __device__ __forceinline__ float half_bits(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)x)); }
 
-// Within-page log2-sum-exp of the deviation logits (centroid term excluded) of GN groups of four
-// pages (GN = 2: two groups' independent chains interleaved in one body): one value per lane and
-// group, for page 2 bit4(lane) + bit3(lane) and head nt * 8 + 2 (lane % 4) + bit2(lane). SAFE
-// subtracts each (page, head)'s maximum before exp2; otherwise `bad[k]` says whether a valid lane's
-// sum of group k left [2^-100, 2^100] (then the caller reruns that group with SAFE).
-template <int D, int NT, bool SAFE, int GN>
-__device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const GroupSlot<D>* r, const bool (&valid)[GN],
-                                          float (&out)[GN][NT], bool (&bad)[GN]) {
-  float v[GN][4][NT][2];
-  float mx[GN][4][NT][2];
+// Within-page log2-sum-exp of the deviation logits (centroid term excluded) of the group's four
+// pages: one value per lane, for page 2 bit4(lane) + bit3(lane) and head nt * 8 + 2 (lane % 4) +
+// bit2(lane). SAFE subtracts each (page, head)'s maximum before exp2; otherwise `bad` says whether
+// a valid lane's sum left [2^-100, 2^100] (then the caller reruns with SAFE).
+template <int D, int NT, bool SAFE>
+__device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const GroupSlot<D>& r, bool valid,
+                                          float (&out)[NT], bool& bad) {
+  float v[4][NT][2];
+  float mx[4][NT][2];
 #pragma unroll
   for (int pr = 0; pr < 2; ++pr) {
     // CHAINS accumulator chains (k-step t into chain t % CHAINS) for the tensor pipe's latency
-    float acc[GN][CHAINS][NT][4];
+    float acc[CHAINS][NT][4];
 #pragma unroll
-    for (int k = 0; k < GN; ++k) {
+    for (int ch = 0; ch < CHAINS; ++ch) {
 #pragma unroll
-      for (int ch = 0; ch < CHAINS; ++ch) {
+      for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[k][ch][nt][i] = 0.f;
-        }
+        for (int i = 0; i < 4; ++i) acc[ch][nt][i] = 0.f;
       }
     }
-    uint32_t b0[GN][Chunk<D>::W], b1[GN][Chunk<D>::W];
+    uint32_t b0[Chunk<D>::W], b1[Chunk<D>::W];
     const int at = w.gid * (D / 2) + w.c * (D / 8);  // this lane's bytes of basis row gid
-#pragma unroll
-    for (int k = 0; k < GN; ++k) {
-      Chunk<D>::load(r[k].basis[2 * pr] + at, b0[k]);
-      Chunk<D>::load(r[k].basis[2 * pr + 1] + at, b1[k]);
-    }
+    Chunk<D>::load(r.basis[2 * pr] + at, b0);
+    Chunk<D>::load(r.basis[2 * pr + 1] + at, b1);
 #pragma unroll
     for (int u = 0; u < Chunk<D>::W; ++u) {
+      uint32_t x0[4], x1[4];
+      int4_word_to_subnormal(b0[u], x0);
+      int4_word_to_subnormal(b1[u], x1);
 #pragma unroll
-      for (int k = 0; k < GN; ++k) {
-        uint32_t x0[4], x1[4];
-        int4_word_to_subnormal(b0[k][u], x0);
-        int4_word_to_subnormal(b1[k][u], x1);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          mma16(acc[k][(2 * u) % CHAINS][nt], x0[0], x1[0], x0[1], x1[1], w.qf[nt][2 * u][0], w.qf[nt][2 * u][1]);
-          mma16(acc[k][(2 * u + 1) % CHAINS][nt], x0[2], x1[2], x0[3], x1[3], w.qf[nt][2 * u + 1][0],
-                w.qf[nt][2 * u + 1][1]);
-        }
+      for (int nt = 0; nt < NT; ++nt) {
+        mma16(acc[(2 * u) % CHAINS][nt], x0[0], x1[0], x0[1], x1[1], w.qf[nt][2 * u][0], w.qf[nt][2 * u][1]);
+        mma16(acc[(2 * u + 1) % CHAINS][nt], x0[2], x1[2], x0[3], x1[3], w.qf[nt][2 * u + 1][0],
+              w.qf[nt][2 * u + 1][1]);
       }
     }
 #pragma unroll
-    for (int k = 0; k < GN; ++k) {
+    for (int ch = 1; ch < CHAINS; ++ch) {
 #pragma unroll
-      for (int ch = 1; ch < CHAINS; ++ch) {
+      for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[k][0][nt][i] += acc[k][ch][nt][i];
-        }
+        for (int i = 0; i < 4; ++i) acc[0][nt][i] += acc[ch][nt][i];
       }
     }
 #pragma unroll
     for (int pg = 0; pg < 2; ++pg) {
       const int page = 2 * pr + pg;
+      uint32_t ca0, ca1;  // coefficient rows gid, gid + 8 as float16 A fragments
+      const uint16_t* cf = reinterpret_cast<const uint16_t*>(r.coef[page]) + w.gid * (R / 2) + w.c;
+      int8_pairs_to_half2(cf[0], cf[8 * (R / 2)], ca0, ca1);
+      const float bs = half_bits(r.bs[page][w.gid]) * 16777216.f;  // undoes the subnormal 2^-24
+      const float wk0 = half_bits(r.cs[page][w.gid]) * w.kappa, wk1 = half_bits(r.cs[page][w.gid + 8]) * w.kappa;
 #pragma unroll
-      for (int k = 0; k < GN; ++k) {
-        uint32_t ca0, ca1;  // coefficient rows gid, gid + 8 as float16 A fragments
-        const uint16_t* cf = reinterpret_cast<const uint16_t*>(r[k].coef[page]) + w.gid * (R / 2) + w.c;
-        int8_pairs_to_half2(cf[0], cf[8 * (R / 2)], ca0, ca1);
-        const float bs = half_bits(r[k].bs[page][w.gid]) * 16777216.f;  // undoes the subnormal 2^-24
-        const float wk0 = half_bits(r[k].cs[page][w.gid]) * w.kappa;
-        const float wk1 = half_bits(r[k].cs[page][w.gid + 8]) * w.kappa;
+      for (int nt = 0; nt < NT; ++nt) {
+        // projections of this page (basis row gid, heads 2c, 2c+1) -> float16 hi + lo -> B fragments
+        const float y0 = (acc[0][nt][2 * pg] - w.off[nt][0]) * bs, y1 = (acc[0][nt][2 * pg + 1] - w.off[nt][1]) * bs;
+        const uint32_t hi = pack_half2(y0, y1);
+        const float2 hf = unpack_half2(hi);
+        const uint32_t lo = pack_half2(y0 - hf.x, y1 - hf.y);
+        float dv[4] = {0.f, 0.f, 0.f, 0.f};
+        mma8(dv, ca0, ca1, transpose8x8(hi));
+        mma8(dv, ca0, ca1, transpose8x8(lo));
+        // dv: keys gid (0, 1) and gid + 8 (2, 3), heads 2c (0, 2) and 2c + 1 (1, 3)
+        const float l0 = dv[0] * wk0, l1 = dv[1] * wk0, l2 = dv[2] * wk1, l3 = dv[3] * wk1;
+        if (SAFE) {
+          float m0 = fmaxf(l0, l2), m1 = fmaxf(l1, l3);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          // projections of this page (basis row gid, heads 2c, 2c+1) -> float16 hi + lo -> B fragments
-          const float y0 = (acc[k][0][nt][2 * pg] - w.off[nt][0]) * bs;
-          const float y1 = (acc[k][0][nt][2 * pg + 1] - w.off[nt][1]) * bs;
-          const uint32_t hi = pack_half2(y0, y1);
-          const float2 hf = unpack_half2(hi);
-          const uint32_t lo = pack_half2(y0 - hf.x, y1 - hf.y);
-          float dv[4] = {0.f, 0.f, 0.f, 0.f};
-          mma8(dv, ca0, ca1, transpose8x8(hi));
-          mma8(dv, ca0, ca1, transpose8x8(lo));
-          // dv: keys gid (0, 1) and gid + 8 (2, 3), heads 2c (0, 2) and 2c + 1 (1, 3)
-          const float l0 = dv[0] * wk0, l1 = dv[1] * wk0, l2 = dv[2] * wk1, l3 = dv[3] * wk1;
-          if (SAFE) {
-            float m0 = fmaxf(l0, l2), m1 = fmaxf(l1, l3);
-#pragma unroll
-            for (int o = 4; o < 32; o <<= 1) {
-              m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, o));
-              m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, o));
-            }
-            mx[k][page][nt][0] = m0;
-            mx[k][page][nt][1] = m1;
-            v[k][page][nt][0] = fast_exp2(l0 - m0) + fast_exp2(l2 - m0);
-            v[k][page][nt][1] = fast_exp2(l1 - m1) + fast_exp2(l3 - m1);
-          } else {
-            v[k][page][nt][0] = fast_exp2(l0) + fast_exp2(l2);
-            v[k][page][nt][1] = fast_exp2(l1) + fast_exp2(l3);
+          for (int o = 4; o < 32; o <<= 1) {
+            m0 = fmaxf(m0, __shfl_xor_sync(FULL, m0, o));
+            m1 = fmaxf(m1, __shfl_xor_sync(FULL, m1, o));
           }
+          mx[page][nt][0] = m0;
+          mx[page][nt][1] = m1;
+          v[page][nt][0] = fast_exp2(l0 - m0) + fast_exp2(l2 - m0);
+          v[page][nt][1] = fast_exp2(l1 - m1) + fast_exp2(l3 - m1);
+        } else {
+          v[page][nt][0] = fast_exp2(l0) + fast_exp2(l2);
+          v[page][nt][1] = fast_exp2(l1) + fast_exp2(l3);
         }
       }
     }
   }
   // reduce-scatter over lane bits 4, 3, 2 (the 8 lanes holding the same heads)
   const bool h4 = w.lane & 16, h3 = w.lane & 8, h2 = w.lane & 4;
+  bad = false;
 #pragma unroll
-  for (int k = 0; k < GN; ++k) {
-    bad[k] = false;
+  for (int nt = 0; nt < NT; ++nt) {
+    float s1[2][2];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      float s1[2][2];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-#pragma unroll
-        for (int gb = 0; gb < 2; ++gb) {
-          const float keep = h4 ? v[k][2 + q][nt][gb] : v[k][q][nt][gb];
-          const float send = h4 ? v[k][q][nt][gb] : v[k][2 + q][nt][gb];
-          s1[q][gb] = keep + __shfl_xor_sync(FULL, send, 16);
-        }
-      }
-      float s2[2];
+    for (int q = 0; q < 2; ++q) {
 #pragma unroll
       for (int gb = 0; gb < 2; ++gb) {
-        const float keep = h3 ? s1[1][gb] : s1[0][gb];
-        const float send = h3 ? s1[0][gb] : s1[1][gb];
-        s2[gb] = keep + __shfl_xor_sync(FULL, send, 8);
+        const float keep = h4 ? v[2 + q][nt][gb] : v[q][nt][gb];
+        const float send = h4 ? v[q][nt][gb] : v[2 + q][nt][gb];
+        s1[q][gb] = keep + __shfl_xor_sync(FULL, send, 16);
       }
-      const float keep = h2 ? s2[1] : s2[0];
-      const float send = h2 ? s2[0] : s2[1];
-      const float sum = keep + __shfl_xor_sync(FULL, send, 4);
-      if (SAFE) {
-        const int page = 2 * (int)h4 + (int)h3;
-        float m = 0.f;
+    }
+    float s2[2];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) m = (q == page) ? (h2 ? mx[k][q][nt][1] : mx[k][q][nt][0]) : m;
-        out[k][nt] = m + fast_log2(sum);
-      } else {
-        bad[k] |= valid[k] && !(sum >= 0x1p-100f && sum <= 0x1p100f);  // pages past the end: not stored
-        out[k][nt] = fast_log2(sum);
-      }
+    for (int gb = 0; gb < 2; ++gb) {
+      const float keep = h3 ? s1[1][gb] : s1[0][gb];
+      const float send = h3 ? s1[0][gb] : s1[1][gb];
+      s2[gb] = keep + __shfl_xor_sync(FULL, send, 8);
+    }
+    const float keep = h2 ? s2[1] : s2[0];
+    const float send = h2 ? s2[0] : s2[1];
+    const float sum = keep + __shfl_xor_sync(FULL, send, 4);
+    if (SAFE) {
+      const int page = 2 * (int)h4 + (int)h3;
+      float m = 0.f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) m = (q == page) ? (h2 ? mx[q][nt][1] : mx[q][nt][0]) : m;
+      out[nt] = m + fast_log2(sum);
+    } else {
+      bad |= valid && !(sum >= 0x1p-100f && sum <= 0x1p100f);  // pages past the end: not stored
+      out[nt] = fast_log2(sum);
     }
   }
 }
@@ -402,12 +376,8 @@ __device__ __forceinline__ void group_lse(const Warp<D, NT>& w, const GroupSlot<
 template <int D, int NT>
 __device__ __noinline__ void group_lse_safe(const Warp<D, NT> w, const GroupSlot<D>& r, bool valid,
                                             float (&out)[NT]) {
-  const bool valid1[1] = {valid};
-  float out1[1][NT];
-  bool unused[1];
-  group_lse<D, NT, true, 1>(w, &r, valid1, out1, unused);
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) out[nt] = out1[0][nt];
+  bool unused;
+  group_lse<D, NT, true>(w, r, valid, out, unused);
 }
 
 // The centroid term of a tile's 16 pages: rows gid and gid + 8, heads 2c, 2c + 1, in log2 units.
@@ -438,8 +408,8 @@ __device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const Centro
 }
 
 // The kernel body. CSLOTS: centroid slots per warp. One slot suffices (a tile's centroids are read
-// at its first step and the next tile's copied at its last step; a tile of one step has no next
-// tile in its program: only a program's last tile has fewer than four groups) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
+// at its first group and the next tile's copied at its last group; a tile with one group has no next
+// tile in its program) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
 // GSPLIT (launches of one tile per program, ppp = TILE, static split): the block's warps share the
 // tile, warp w scoring its group w (pages 4w..4w+3) alone. At short contexts one tile per warp
 // leaves about one warp per scheduler, and a tile's four groups then cost four times a group's
@@ -448,13 +418,10 @@ template <int D, int NT, int WARPS, int CSLOTS, bool GSPLIT = false>
 __device__ __forceinline__ void score_body(const Params& p) {
   static_assert(!GSPLIT || WARPS == 4, "GSPLIT: the tile's four groups over four warps");
   constexpr int KS = D / 16;
-  // groups per pipeline step: 2 (PAIR: two groups computed in one interleaved body, two copied ahead;
-  // four group slots per warp, which fit the static shared memory at two warps per block), else 1
-  constexpr int GPS = (KVLOCKS_SCORE_PAIR && WARPS == 2 && !GSPLIT) ? 2 : 1;
   __shared__ float qs[NT * 8][D];
   __shared__ float red[WARPS];
   __shared__ float st_m[WARPS][NT * 8], st_l[WARPS][NT * 8];
-  __shared__ GroupSlot<D> gslots[WARPS][2 * GPS];
+  __shared__ GroupSlot<D> gslots[WARPS][2];
   __shared__ CentroidSlot<D> cslots[WARPS][CSLOTS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.y, chunk = blockIdx.x;
@@ -484,8 +451,7 @@ __device__ __forceinline__ void score_body(const Params& p) {
     pid = tile_ids(t0);
     pid_n1 = tile_ids(t0 + WARPS * TILE);
     issue_centroids(cslot[0], p, pid, h, lane);
-#pragma unroll
-    for (int k = 0; k < GPS; ++k) issue_group(gslot[k], p, pid, j_first + k, h, lane);
+    issue_group(gslot[0], p, pid, j_first, h, lane);
     cp_async_commit();
     cen_scales(pid, sa, sb);
   }
@@ -567,47 +533,37 @@ __device__ __forceinline__ void score_body(const Params& p) {
       if (more) cen_scales(pid_next, sa_next, sb_next);
       float cq[NT][4];
 #pragma unroll 1
-      for (int j = j_first; j < ng; j += GPS, ++n) {
-        __syncwarp();  // every lane is done reading the slots the next copies overwrite
-        GroupSlot<D>* ahead = gslot + ((n + 1) & 1) * GPS;
-        if (j + GPS < ng) {  // (with GPS = 2, a group past the tile's last copies page 0: not stored)
-#pragma unroll
-          for (int k = 0; k < GPS; ++k) issue_group(ahead[k], p, pid, j + GPS + k, h, lane);
+      for (int j = j_first; j < ng; ++j, ++n) {
+        __syncwarp();  // every lane is done reading the slot the next copy overwrites
+        if (j + 1 < ng) {
+          issue_group(gslot[(n + 1) & 1], p, pid, j + 1, h, lane);
         } else if (more) {
           issue_centroids(cslot[(tile + 1) % CSLOTS], p, pid_next, h, lane);
-#pragma unroll
-          for (int k = 0; k < GPS; ++k) issue_group(ahead[k], p, pid_next, k, h, lane);
+          issue_group(gslot[(n + 1) & 1], p, pid_next, 0, h, lane);
         }
         cp_async_commit();
-        cp_async_wait<1>();  // everything but the copies just issued has landed
+        cp_async_wait<1>();  // everything but the copy just issued has landed
         __syncwarp();
         if (j == j_first) centroid_term(w, cslot[tile % CSLOTS], sa, sb, cq);
-        const GroupSlot<D>* slots = gslot + (n & 1) * GPS;
-        const int pt0 = 4 * j + 2 * (int)h4 + (int)h3;  // this lane's page within the tile (group j)
-        bool valid[GPS];
+        const GroupSlot<D>& slot = gslot[n & 1];
+        const int pt = 4 * j + 2 * (int)h4 + (int)h3;  // this lane's page within the tile
+        const int page = t0 + pt;
+        float lse[NT];
+        bool bad;
+        group_lse<D, NT, false>(w, slot, page < end, lse, bad);
+        if (__any_sync(FULL, bad)) group_lse_safe(w, slot, page < end, lse);
+        const int src = 4 * (pt & 7) + w.c;
 #pragma unroll
-        for (int k = 0; k < GPS; ++k) valid[k] = t0 + pt0 + 4 * k < end;
-        float lse[GPS][NT];
-        bool bad[GPS];
-        group_lse<D, NT, false, GPS>(w, slots, valid, lse, bad);
-#pragma unroll
-        for (int k = 0; k < GPS; ++k) {
-          if (__any_sync(FULL, bad[k])) group_lse_safe(w, slots[k], valid[k], lse[k]);
-          const int pt = pt0 + 4 * k;
-          const int page = t0 + pt;
-          const int src = 4 * (pt & 7) + w.c;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float c0 = __shfl_sync(FULL, j + k >= 2 ? cq[nt][2] : cq[nt][0], src);
-            const float c1 = __shfl_sync(FULL, j + k >= 2 ? cq[nt][3] : cq[nt][1], src);
-            const float x = lse[k][nt] + (h2 ? c1 : c0);  // log2 units
-            const int g = nt * 8 + 2 * w.c + (int)h2;
-            if (valid[k]) {
-              if (g < p.g) p.scores[((int64_t)row * p.g + g) * p.max_pages + page] = x * LN2;
-              const float mn = fmaxf(m_run[nt], x);
-              l_run[nt] = l_run[nt] * fast_exp2(m_run[nt] - mn) + fast_exp2(x - mn);
-              m_run[nt] = mn;
-            }
+        for (int nt = 0; nt < NT; ++nt) {
+          const float c0 = __shfl_sync(FULL, j >= 2 ? cq[nt][2] : cq[nt][0], src);
+          const float c1 = __shfl_sync(FULL, j >= 2 ? cq[nt][3] : cq[nt][1], src);
+          const float x = lse[nt] + (h2 ? c1 : c0);  // log2 units
+          const int g = nt * 8 + 2 * w.c + (int)h2;
+          if (page < end) {
+            if (g < p.g) p.scores[((int64_t)row * p.g + g) * p.max_pages + page] = x * LN2;
+            const float mn = fmaxf(m_run[nt], x);
+            l_run[nt] = l_run[nt] * fast_exp2(m_run[nt] - mn) + fast_exp2(x - mn);
+            m_run[nt] = mn;
           }
         }
       }
@@ -661,9 +617,7 @@ __device__ __forceinline__ void score_body(const Params& p) {
 // 5 blocks of 4 warps), or six asked for (at most 80 registers, one centroid slot: 24 warps per SM).
 template <int D, int NT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
-  // the pair variant's shared memory is four group slots per warp: one centroid slot (enough, see
-  // score_body) keeps seven two-warp blocks per SM
-  score_body<D, NT, WARPS, (KVLOCKS_SCORE_PAIR && WARPS == 2) ? 1 : 2>(p);
+  score_body<D, NT, WARPS, 2>(p);
 }
 
 template <int D, int NT, int WARPS>
@@ -694,11 +648,6 @@ Kernel pick(int head_dim, int nt, int warps, int min_blocks, int gsplit) {
   KVLOCKS_CASE(64, 1, 4)
   KVLOCKS_CASE(64, 2, 4)
   KVLOCKS_CASE(128, 1, 2)
-#if KVLOCKS_SCORE_PAIR  // every head_dim and G at two warps, for the pair variant's checks
-  KVLOCKS_CASE(128, 2, 2)
-  KVLOCKS_CASE(64, 1, 2)
-  KVLOCKS_CASE(64, 2, 2)
-#endif
 #undef KVLOCKS_CASE
   if (head_dim == 128 && nt == 1 && warps == 4 && min_blocks == 6) return score_kernel_six<128, 1, 4>;
   return nullptr;
