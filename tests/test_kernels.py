@@ -206,6 +206,108 @@ def test_cuda_score_kernel_matches_reference(g, d, dtype, factor):
         _assert_scores_match(got, exp, seq)
 
 
+TAIL_CASES = [  # (token counts, G, D, k, sink, recent, sink_start, pages per program / balanced / blocks)
+    ([4096, 15, 2049], 8, 128, 6, 1, 1, False, (None, False, 1)),
+    ([16, 17, 65536], 4, 128, 128, 1, 1, True, (None, False, 1)),  # 4096 pages: the tail's widest row
+    ([2000 * S + 5, 33, 300 * S], 1, 128, 20, 2, 2, True, (16, False, 1)),  # one tile per program (split groups)
+    ([1500 * S, 7 * S + 1], 16, 64, 9, 0, 1, False, (48, False, 1)),
+    ([2048 * S, 40 * S + 3], 3, 64, 300, 1, 1, False, (100, True, 1)),  # balanced; short row: all pages
+    ([3000 * S + 9, 129 * S], 8, 128, 128, 1, 2, True, (48, False, 6)),  # six-blocks variant
+    ([128 * S, 127 * S + 5], 8, 128, 128, 1, 1, False, (None, False, 1)),  # every page fits k, or exactly
+]
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA kernel: needs a GPU")
+@pytest.mark.parametrize("lens,g,d,k,sink,recent,with_ss,launch", TAIL_CASES)
+def test_cuda_score_kernel_selection_tail_matches_fused_selection(lens, g, d, k, sink, recent, with_ss, launch):
+    """The selection in the score kernel's tail (cuda_mma.score_and_select): its ranking and LSE
+    against the fused Triton selection's from the same kernel's scores, its pages exactly the
+    reference selection of its own ranking and (tie-free data) the fused selection's; the arrival
+    counters are left at zero, so a second call, and replays of a CUDA graph of it, agree."""
+    from kvlocks.scoring import cuda_mma
+    from kvlocks.selection import fused
+
+    cfg = LocksConfig()
+    q, k_, _, table, seq = make_paged(lens, 2, g, d, BF16, seed=len(lens) + g)
+    store = built_store(k_, table, seq, cfg)
+    bsz, max_pages = len(seq), table.shape[1]
+    ss = torch.tensor([1, 0, 3][:bsz], dtype=torch.int32, device=DEV) if with_ss else None
+    ppp, balanced, blocks = launch
+    sel = dict(k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
+    ws = score_tri.score_workspace(bsz, 2, g, max_pages, DEV, ppp, head_dim=d)
+    ws["balanced"], ws["min_blocks"] = balanced, blocks
+    fw = fused.fused_workspace(bsz, 2, max_pages, k, DEV)
+    assert max_pages <= cuda_mma.tail_max_pages(DEV, d)
+    got = cuda_mma.score_and_select(q, store, table, seq, score_workspace=ws, select_workspace=fw, **sel).clone()
+    assert int(fw["done"].abs().sum()) == 0
+    ref_ws = score_tri.score_workspace(bsz, 2, g, max_pages, DEV, ppp, head_dim=d)
+    ref_ws["balanced"], ref_ws["min_blocks"] = balanced, blocks
+    cuda_mma.score_pages_mma(q, store, table, seq, workspace=ref_ws, rank=False)
+    for b, n in enumerate(lens):  # the tail changes nothing before it
+        assert torch.equal(ws["scores"][b, ..., : n // S], ref_ws["scores"][b, ..., : n // S])
+    exp = fused.rank_and_select(ref_ws, seq, page_size=S, workspace=fused.fused_workspace(bsz, 2, max_pages, k, DEV),
+                                **sel)
+    for b, n in enumerate(lens):
+        pc = n // S
+        assert torch.allclose(ws["ranking"][b, :, :pc], ref_ws["ranking"][b, :, :pc], rtol=1e-5, atol=1e-30)
+        assert torch.allclose(ws["lse"][b], ref_ws["lse"][b], atol=1e-5) or pc == 0
+    assert torch.equal(got, select_pages(ws["ranking"], seq, page_size=S, backend="torch", **sel))
+    assert torch.equal(got, exp)
+    again = cuda_mma.score_and_select(q, store, table, seq, score_workspace=ws, select_workspace=fw, **sel)
+    assert torch.equal(again, got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_mma.score_and_select(q, store, table, seq, score_workspace=ws, select_workspace=fw, **sel)
+    fw["out"].fill_(-7)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, got)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA kernel: needs a GPU")
+@pytest.mark.parametrize("k", [5, 40])
+def test_cuda_score_kernel_selection_tail_breaks_ties_by_page_index(k):
+    """Many logical pages of a row mapped to the same few physical pages score exactly alike: the
+    tail picks what the reference selection picks from its ranking (lower page first)."""
+    from kvlocks.scoring import cuda_mma
+    from kvlocks.selection import fused
+
+    cfg = LocksConfig()
+    q, k_, _, table, seq = make_paged([700 * S, 333 * S + 2], 2, 8, 128, BF16, seed=4)
+    table = table[:, torch.arange(table.shape[1], device=table.device) % 3]  # three distinct pages per row
+    store = built_store(k_, table, seq, cfg)
+    ws = score_tri.score_workspace(2, 2, 8, table.shape[1], DEV, head_dim=128)
+    fw = fused.fused_workspace(2, 2, table.shape[1], k, DEV)
+    got = cuda_mma.score_and_select(q, store, table, seq, k=k, score_workspace=ws, select_workspace=fw)
+    assert len(torch.unique(ws["ranking"][0, 0, :700])) <= 3  # the ties are real
+    assert torch.equal(got, select_pages(ws["ranking"], seq, page_size=S, k=k, backend="torch"))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA kernel: needs a GPU")
+def test_decode_plan_selection_tail_equals_fused_selection():
+    """DecodePlan takes the selection tail for rows within its page limit (and not beyond it); the
+    step's pages and output equal the plan with the fused Triton selection, eager and replayed."""
+    cfg = LocksConfig(budget=2048)
+    q, k, v, table, seq = make_paged([60_000, 20_000], 4, 4, 128, BF16, seed=5)
+    store = built_store(k, table, seq, cfg)
+    kw = dict(batch=2, num_kv_heads=4, group=4, head_dim=128, max_pages=table.shape[1], config=cfg,
+              dtype=q.dtype, device=DEV)
+    tail, fused = DecodePlan(**kw), DecodePlan(tail_select=False, **kw)
+    assert tail.tail and not fused.tail
+    assert not DecodePlan(**{**kw, "max_pages": 5000}).tail
+    exp = fused.run(q, k, v, store, table, seq)
+    got = [t.clone() for t in tail.run(q, k, v, store, table, seq)]
+    assert torch.equal(tail.pages, fused.pages)
+    assert torch.equal(got[0], exp[0]) and torch.equal(got[1], exp[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tail.run(q, k, v, store, table, seq)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], got[0]) and torch.equal(out[1], got[1])
+
+
 def test_cuda_score_kernel_rejects_unsupported_inputs():
     from kvlocks.scoring import cuda_mma
 
