@@ -10,10 +10,8 @@ without the incremental-build launches on steps that fill no page (``engine.grap
 with each layer's q/k/v projections as one product (``engine.step.FUSE_QKV``), and with the
 radix passes over rebased keys (``selection.triton.REBASE_KEYS``), with the K/V writes inside the
 compiled projection piece (``engine.step.KV_WRITE_IN_PIECE``), with the attention's split merge
-done by each row's last split (``attention.triton.MERGE_IN_KERNEL``), all four (``prepared10``),
-with Inductor's max-autotune for the compiled pieces (``engine.step.COMPILE_MODE``), and without the
-selection in the CUDA score kernel's tail (``scoring.cuda_mma.TAIL_SELECT``; "no_tail": the fused
-Triton selection's launch after the score kernel, the default until session 17).
+done by each row's last split (``attention.triton.MERGE_IN_KERNEL``), all four (``prepared10``), and
+with Inductor's max-autotune for the compiled pieces (``engine.step.COMPILE_MODE``).
 Writes ``OUT/<mode>`` (the bench's summary files) and prints the TPOTs (median, mean).
 
     python scripts/device/select_ab.py --out OUT/select_ab --contexts 1048576,131072
@@ -40,8 +38,7 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "REBASE_KEYS": ("kvlocks.selection.triton", True),
             "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", None),
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
-            "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False),
-            "TAIL_SELECT": ("kvlocks.scoring.cuda_mma", True)}
+            "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False)}
 SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
 OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
@@ -54,8 +51,7 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "merge_in_kernel": {"MERGE_IN_KERNEL": True},
          "prepared10": {"MERGE_IN_KERNEL": True},
          "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"},
-         "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False},
-         "no_tail": {"TAIL_SELECT": False}}
+         "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}}
 
 
 def apply(mode: str) -> None:

@@ -9,7 +9,6 @@ for the CPU and for checking, not for speed. Shapes and the layout: ``docs/layou
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -144,10 +143,6 @@ class DecodePlan:
     Triton backend: the score kernel, then the combine and the selection fused in one launch
     (:mod:`kvlocks.selection.fused`; with ``fused_select=False``, or below ``FUSED_MIN_PAGES`` pages
     per sequence, the combine pass and the two-launch selection), then the split-KV attention.
-    Where the CUDA score kernel runs and a row has at most
-    :func:`kvlocks.scoring.cuda_mma.tail_max_pages` pages (mean-share rule), the selection runs in
-    the score kernel's tail instead (:func:`kvlocks.scoring.cuda_mma.score_and_select`; plan option
-    ``tail_select``, default :data:`kvlocks.scoring.cuda_mma.TAIL_SELECT`): one launch fewer.
 
     Parameters
     ----------
@@ -158,14 +153,13 @@ class DecodePlan:
     """
 
     def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device,
-                 scale=None, backend=None, fused_select: bool | None = None, tail_select: bool | None = None):
+                 scale=None, backend=None, fused_select: bool | None = None):
         check_kernel_config(config, head_dim)
         self.config, self.backend = config, resolve_backend(backend, device)
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.k = config.pages_per_step
         self.ws = {}
         self.fused = max_pages >= FUSED_MIN_PAGES if fused_select is None else bool(fused_select)
-        self.tail = False
         if self.backend == "triton":
             from kvlocks.attention.triton import attention_workspace
             from kvlocks.scoring.triton import score_workspace
@@ -179,31 +173,11 @@ class DecodePlan:
                 "select": sel_ws(batch, num_kv_heads, max_pages, self.k, device),
                 "attend": attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device),
             }
-            self.tail = self.fused and self._tail_ok(tail_select, dtype, group, head_dim, max_pages, device)
-
-    def _tail_ok(self, tail_select, dtype, group, head_dim, max_pages, device) -> bool:
-        """Whether the selection runs in the CUDA score kernel's tail (see the class docstring)."""
-        from kvlocks.scoring import cuda_mma
-
-        want = cuda_mma.TAIL_SELECT if tail_select is None else bool(tail_select)
-        pinned = self.ws["score"].get("kernel") or os.environ.get("KVLOCKS_SCORE_KERNEL", "auto")
-        c = self.config
-        return (want and pinned in ("auto", "cuda") and torch.device(device).type == "cuda"
-                and self.ws["score"]["ppp"] % cuda_mma.TILE == 0
-                and cuda_mma.tail_supported(device, dtype=dtype, group=group, head_dim=head_dim,
-                                            page_size=c.page_size, rank=c.rank, max_pages=max_pages,
-                                            combine=c.combine))
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
         c, be = self.config, self.backend
-        if self.tail:  # score kernel with the selection in its tail: one launch
-            from kvlocks.scoring.cuda_mma import score_and_select
-
-            self.pages = score_and_select(queries, summaries, block_table, seq_lens, k=self.k,
-                                          sink_pages=c.sink_pages, recent_pages=c.recent_pages, scale=self.scale,
-                                          score_workspace=self.ws["score"], select_workspace=self.ws["select"])
-        elif be == "triton" and self.fused:  # score kernel, then combine + selection fused in one launch
+        if be == "triton" and self.fused:  # score kernel, then combine + selection fused in one launch
             from kvlocks.scoring.triton import score_pages_paged
             from kvlocks.selection.fused import rank_and_select
 

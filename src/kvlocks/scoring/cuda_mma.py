@@ -54,11 +54,6 @@ MIN_BLOCKS = 1
 # the per-program set-up (queries, shared centroids and page ids per warp) outweighs the chain
 # from about 512 programs. One case won, by 1.3 us per layer (0.8% of the GLM-4-9B step at 16K).
 GROUP_SPLIT = False
-# Short rows: the page selection in the score kernel's tail (the last program of each row to finish
-# reduces the statistics, ranks the pages and selects them: ``score_mma.cu``, select_tail) instead
-# of the fused Triton selection's launch after it. :class:`kvlocks.dispatch.DecodePlan` takes it
-# where :func:`tail_supported` says so and this is True (plan option ``tail_select``).
-TAIL_SELECT = True
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _state: dict = {}
 
@@ -80,9 +75,7 @@ def _library(device) -> ctypes.CDLL:
         i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
                                           i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
-                                          i32, i32, i32, vp, vp, vp, vp, vp, vp]
-        lib.kvlocks_score_mma_tail_max_pages.argtypes = [i32]
-        lib.kvlocks_score_mma_tail_max_pages.restype = i32
+                                          vp]
         lib.kvlocks_score_mma.restype = i32
         lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32, i32]
         lib.kvlocks_score_mma_blocks_per_sm.restype = i32
@@ -164,9 +157,15 @@ def variant_min_blocks(head_dim: int, group: int, warps: int, min_blocks: int | 
     return 6 if mb == 6 and head_dim == 128 and group <= 8 and warps == 4 else 1
 
 
-def _check_inputs(queries, summaries: PagedSummaries, block_table, seq_lens) -> None:
+def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
+                    workspace: dict | None = None, warps: int = WARPS, rank: bool = True):
+    """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`."""
+    from kvlocks.scoring.triton import LOG2E, finish_scores, score_workspace  # noqa: PLC0415 (cycle)
+
     bsz, hq, d = queries.shape
-    g = hq // summaries.num_kv_heads
+    hkv = summaries.num_kv_heads
+    g = hq // hkv
     if not supports(queries, g, summaries):
         raise ValueError(
             f"the CUDA score kernel needs CUDA float16/bfloat16 queries, G in 1..16 (got {g}), page size 16, "
@@ -178,119 +177,25 @@ def _check_inputs(queries, summaries: PagedSummaries, block_table, seq_lens) -> 
         t = getattr(summaries, name)
         if not t.is_contiguous() or t.data_ptr() % 16:
             raise ValueError(f"summaries.{name} must be contiguous and 16-byte aligned (the kernel copies 16-byte chunks)")
-
-
-def _launch(queries, summaries: PagedSummaries, block_table, seq_lens, scale, ws: dict, warps: int,
-            select: dict | None = None) -> None:
-    """Launches the kernel on checked inputs (with ``select``: the selection tail's k, sink and recent
-    pages, sink start and the select workspace's buffers)."""
-    bsz, hq, d = queries.shape
-    hkv = summaries.num_kv_heads
-    g = hq // hkv
     max_pages = block_table.shape[1]
+    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device,
+                                      pages_per_program=pages_per_program(max_pages, bsz * hkv, queries.device,
+                                                                          d, g, warps))  # sized for `warps`
     balanced = bool(ws.get("balanced", BALANCED))
     if ws["ppp"] % TILE and not balanced:
         raise ValueError(f"workspace pages per program {ws['ppp']} is not a multiple of {TILE} (needed unless "
                          "the workspace's split is balanced)")
-    sel = dict(k=0, sink=0, recent=0, ss=None, done=None, out=None)
-    if select is not None:
-        sel = select
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     lib = _library(queries.device)
     st = summaries
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     err = lib.kvlocks_score_mma(
         queries.data_ptr(), queries.stride(0), queries.stride(1), _DTYPES[queries.dtype], st.basis.data_ptr(),
         st.basis_scale.data_ptr(), st.coef.data_ptr(), st.coef_scale.data_ptr(), st.centroid.data_ptr(),
         st.centroid_scale.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         ws["scores"].data_ptr(), ws["stats"].data_ptr(), bsz, hkv, g, ws["stats"].shape[-1], max_pages,
-        ws["n_chunks"], ws["ppp"], int(balanced), scale * _log2e(), d, warps,
-        variant_min_blocks(d, g, warps, ws.get("min_blocks")), sel["k"], sel["sink"], sel["recent"],
-        ptr(sel["ss"]), ptr(sel["done"]), ptr(sel["out"]), ws["ranking"].data_ptr(), ws["lse"].data_ptr(),
-        torch.cuda.current_stream(queries.device).cuda_stream)
+        ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps,
+        variant_min_blocks(d, g, warps, ws.get("min_blocks")), torch.cuda.current_stream(queries.device).cuda_stream)
     if err:
-        reason = {-1: "unsupported head_dim/group/warps",
-                  -2: f"the selection tail needs 4 warps and at most {tail_max_pages(queries.device, d)} pages "
-                      f"per row (got warps={warps}, {max_pages} pages)"}.get(err)
-        reason = reason or lib.kvlocks_error_string(err).decode()
+        reason = "unsupported head_dim/group/warps" if err == -1 else lib.kvlocks_error_string(err).decode()
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")
-
-
-def _log2e() -> float:
-    from kvlocks.scoring.triton import LOG2E  # noqa: PLC0415 (cycle)
-
-    return LOG2E
-
-
-def tail_max_pages(device, head_dim: int) -> int:
-    """Pages per row (block-table width) up to which the selection tail runs (4096 at D = 128, 2048 at 64)."""
-    return int(_library(torch.device(device)).kvlocks_score_mma_tail_max_pages(int(head_dim)))
-
-
-def tail_supported(device, *, dtype, group: int, head_dim: int, page_size: int, rank: int, max_pages: int,
-                   combine: str, warps: int = WARPS) -> bool:
-    """Whether :func:`score_and_select` can serve a decode plan: the kernel's own conditions
-    (:func:`supports`), four warps, the mean-share rule and at most :func:`tail_max_pages` pages per row."""
-    device = torch.device(device)
-    return (device.type == "cuda" and dtype in _DTYPES and 1 <= group <= 16 and page_size == 16 and rank == 8
-            and head_dim in HEAD_DIMS and combine == "mean_share" and warps == 4 and available(device)
-            and max_pages <= tail_max_pages(device, head_dim))
-
-
-def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
-                    workspace: dict | None = None, warps: int = WARPS, rank: bool = True):
-    """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`."""
-    from kvlocks.scoring.triton import finish_scores, score_workspace  # noqa: PLC0415 (cycle)
-
-    _check_inputs(queries, summaries, block_table, seq_lens)
-    bsz, hq, d = queries.shape
-    hkv = summaries.num_kv_heads
-    g = hq // hkv
-    max_pages = block_table.shape[1]
-    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device,
-                                      pages_per_program=pages_per_program(max_pages, bsz * hkv, queries.device,
-                                                                          d, g, warps))  # sized for `warps`
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    _launch(queries, summaries, block_table, seq_lens, scale, ws, warps)
     return finish_scores(ws, seq_lens, hkv, g, max_pages, summaries.page_size, combine, rank)
-
-
-def score_and_select(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, *, k: int, sink_pages: int = 1, recent_pages: int = 1,
-                     sink_start: torch.Tensor | None = None, scale: float | None = None,
-                     score_workspace: dict, select_workspace: dict) -> torch.Tensor:
-    """Score every full page and select the pages to attend in one launch (the selection tail).
-
-    Same pages as :func:`kvlocks.scoring.triton.score_pages_paged` (``rank=False``) followed by
-    :func:`kvlocks.selection.fused.rank_and_select` with the mean-share rule, applied to the ranking
-    this kernel writes (up to float rounding of that ranking: the exponentials differ in the last
-    bits). The score workspace's ``scores``, ``stats``, ``lse`` and ``ranking`` are written as the
-    combine pass would; the select workspace's ``done`` counters (zero, left zero) and ``out``
-    buffer are used. Rows of at most :func:`tail_max_pages` pages, four warps per block.
-
-    Returns int32 ``[B, Hkv, k]`` ascending logical page ids, -1 padded (the select workspace's
-    ``out``).
-    """
-    from kvlocks.selection.triton import check_select_args  # noqa: PLC0415
-
-    check_select_args(k, sink_pages, recent_pages)
-    _check_inputs(queries, summaries, block_table, seq_lens)
-    bsz, hq, d = queries.shape
-    hkv = summaries.num_kv_heads
-    out, done = select_workspace["out"], select_workspace["done"]
-    if out.shape != (bsz, hkv, k) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"select workspace 'out' must be contiguous int32 {(bsz, hkv, k)}, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    if done.shape != (bsz * hkv,) or done.dtype != torch.int32:
-        raise ValueError(f"select workspace 'done' must be int32 [{bsz * hkv}] (zeros), got {tuple(done.shape)}")
-    if seq_lens.shape != (bsz,):
-        raise ValueError(f"seq_lens must be int32 [{bsz}], got {tuple(seq_lens.shape)}")
-    ss = None
-    if sink_start is not None:
-        if sink_start.shape != (bsz,) or sink_start.dtype != torch.int32:
-            raise ValueError(f"sink_start must be int32 [{bsz}], got {sink_start.dtype} {tuple(sink_start.shape)}")
-        ss = sink_start
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    _launch(queries, summaries, block_table, seq_lens, scale, score_workspace, WARPS,
-            dict(k=k, sink=sink_pages, recent=recent_pages, ss=ss, done=done, out=out))
-    return out

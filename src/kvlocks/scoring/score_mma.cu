@@ -187,13 +187,6 @@ struct Params {
   int hkv, g, gb, max_pages, n_chunks, ppp;
   int balanced;     // 1: chunk c scores tiles [c T / n_chunks, (c + 1) T / n_chunks) of its sequence's T tiles
   float qk_scale2;  // scale * log2(e)
-  // the page selection in the tail (select_tail), or sel_k = 0: none
-  int sel_k, sel_sink, sel_recent;
-  const int32_t* sel_ss;  // first sink page per sequence, or nullptr (page 0)
-  int32_t* sel_done;      // per-row arrival counters: zero before the launch, reset by the last program
-  int32_t* sel_out;       // [B * Hkv, sel_k] ascending page ids, -1 padded
-  float* ranking;         // [B * Hkv, max_pages] the rows' mean shares (Eq. 5), full pages
-  float* lse;             // [B * Hkv, G] each head's log-sum-exp over the row's pages (natural log)
 };
 
 // The per-warp state shared by the page-group steps: the query fragments and constants.
@@ -414,208 +407,6 @@ __device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const Centro
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Page selection in the score kernel's tail (short rows: at most TAIL_MAX_PAGES pages per row).
-//
-// Every program of a row takes a ticket from the row's arrival counter after its scores and
-// statistics are stored; the last to arrive resets the counter and, for its row: reduces the
-// programs' statistics to each head's log-sum-exp, forms the mean-share ranking of the full pages
-// (Eq. 5), and selects sink + recent + the top (k - forced) candidates (ties to the lower page),
-// writing the pages in ascending order, -1 padded: the same contract and the same choice as
-// kvlocks.selection.fused.rank_and_select (combine "mean_share") applied to this ranking, without
-// its launch. The radix select runs on 8-bit digits from the top, stopping as soon as every key
-// left in the threshold digit is chosen; order keys live in the score loop's group slots.
-
-// rows of at most this many pages (order keys in the group slots of four warps: 22 KB at D = 128,
-// 13.8 KB at D = 64)
-__host__ __device__ constexpr int tail_max_pages(int head_dim) { return head_dim == 128 ? 4096 : 2048; }
-constexpr float LOG2E_F = 1.4426950408889634f;
-
-__device__ __forceinline__ uint32_t order_key(float x) {  // float -> uint32 with the same order
-  uint32_t u = __float_as_uint(x == 0.f ? 0.f : x);       // -0.0 ranks as +0.0
-  return (u >> 31) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ int key_slot(int page) { return page + (page >> 5); }  // conflict-free runs
-
-// Exclusive prefix sum of v over the block (page order = thread order), and the block's total.
-template <int NTHR>
-__device__ __forceinline__ int block_exclusive_scan(int v, int* sh, int& total) {
-  constexpr int NW = NTHR / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(FULL, x, o);
-    if (lane >= o) x += y;
-  }
-  __syncthreads();  // sh is free (an earlier scan's readers are done)
-  if (lane == 31) sh[warp] = x;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) {
-    before += w < warp ? sh[w] : 0;
-    total += sh[w];
-  }
-  return before + x - v;
-}
-
-struct Forced {  // the row's forced pages: sink [s_lo, s_hi), recent [r_lo, total)
-  int total, s_lo, s_hi, r_lo, f, limit, k;
-  __device__ bool forced(int q) const { return (q >= s_lo && q < s_hi) || q >= r_lo; }
-  __device__ bool candidate(int q) const { return q < limit && !forced(q); }
-};
-
-template <int NTHR>
-__device__ __forceinline__ void select_tail(const Params& p, int row, int b, int pc, uint32_t* keys, int* hist) {
-  __shared__ int ticket;
-  __shared__ float lse2[16];
-  __shared__ int sh[32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr int NW = NTHR / 32;
-  __syncthreads();  // every thread's score and statistics stores are issued
-  if (tid == 0) {
-    __threadfence();  // ... and visible at GPU scope before the ticket
-    ticket = atomicAdd(p.sel_done + row, 1);
-  }
-  __syncthreads();
-  if (ticket != p.n_chunks - 1) return;
-  __threadfence();  // the other programs' stores, seen through L2 (__ldcg) from here on
-  if (tid == 0) p.sel_done[row] = 0;  // no program of this launch takes a ticket of this row again
-
-  // each head's log2-sum-exp over the row's programs (warp per head, lanes over programs)
-  for (int g = warp; g < p.g; g += NW) {
-    float m = -INFINITY, l = 0.f;
-    for (int c = lane; c < p.n_chunks; c += 32) {
-      const float* st = p.stats + ((int64_t)row * p.n_chunks + c) * 2 * p.gb;
-      const float om = __ldcg(st + g), ol = __ldcg(st + p.gb + g);
-      const float mn = fmaxf(m, om);
-      const float safe = mn == -INFINITY ? 0.f : mn;
-      l = l * exp2f(m - safe) + ol * exp2f(om - safe);
-      m = mn;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float om = __shfl_xor_sync(FULL, m, o), ol = __shfl_xor_sync(FULL, l, o);
-      const float mn = fmaxf(m, om);
-      const float safe = mn == -INFINITY ? 0.f : mn;
-      l = l * exp2f(m - safe) + ol * exp2f(om - safe);
-      m = mn;
-    }
-    if (lane == 0) {
-      const float v = l > 0.f ? m + log2f(l) : -INFINITY;
-      lse2[g] = v;
-      p.lse[(int64_t)row * p.g + g] = v * LN2;
-    }
-  }
-  const int n = __ldg(p.seq_lens + b);
-  const int ss = p.sel_ss ? __ldg(p.sel_ss + b) : 0;
-  Forced fr;
-  fr.k = p.sel_k;
-  fr.total = (n + S - 1) / S;
-  fr.s_lo = min(ss, fr.total);
-  fr.s_hi = min(ss + p.sel_sink, fr.total);
-  fr.r_lo = max(fr.total - p.sel_recent, 0);
-  const int overlap = max(min(fr.s_hi, fr.total) - max(fr.s_lo, fr.r_lo), 0);
-  fr.f = (fr.s_hi - fr.s_lo) + (fr.total - fr.r_lo) - overlap;
-  fr.limit = fr.total > fr.k ? pc : 0;  // candidates: full pages, and only if not every page fits
-  int32_t* out = p.sel_out + (int64_t)row * p.sel_k;
-  __syncthreads();  // lse2 complete
-
-  // the ranking of the full pages, and the candidates' order keys
-  int n_cand = 0;
-  for (int q = tid; q < pc; q += NTHR) {
-    float acc = 0.f;
-    for (int g = 0; g < p.g; ++g) {
-      const float l2 = lse2[g];
-      const float s2 = __ldcg(p.scores + ((int64_t)row * p.g + g) * p.max_pages + q) * LOG2E_F;
-      acc += l2 > -INFINITY ? exp2f(s2 - l2) : 0.f;
-    }
-    const float r = acc / (float)p.g;
-    p.ranking[(int64_t)row * p.max_pages + q] = r;
-    keys[key_slot(q)] = order_key(r);
-    n_cand += fr.candidate(q);
-  }
-  if (fr.total <= fr.k) {  // every page is attended
-    for (int kk = tid; kk < fr.k; kk += NTHR) out[kk] = kk < fr.total ? kk : -1;
-    return;
-  }
-  int n_valid;
-  block_exclusive_scan<NTHR>(n_cand, sh, n_valid);  // also: every key is stored (its barriers)
-  const int need = min(fr.k - fr.f, n_valid);
-  // radix select of the need-th largest candidate key: prefix / kmask fix its leading digits;
-  // chosen are keys above the prefix and the first `remaining` (by page) equal to it
-  int remaining = need;
-  uint32_t prefix = 0u, kmask = 0u;
-  if (need > 0 && need < n_valid) {
-    for (int pass = 0; pass < 4; ++pass) {
-      const int shift = 24 - 8 * pass;
-      for (int i = tid; i < 256; i += NTHR) hist[i] = 0;
-      __syncthreads();
-      for (int q = tid; q < fr.limit; q += NTHR) {
-        if (!fr.candidate(q)) continue;
-        const uint32_t key = keys[key_slot(q)];
-        if ((key & kmask) == prefix) atomicAdd(hist + ((key >> shift) & 255u), 1);
-      }
-      __syncthreads();
-      if (warp == 0) {  // lane l: digits 8l .. 8l + 7; the threshold digit, counted from the top
-        int h[8], sum = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) { h[j] = hist[8 * lane + j]; sum += h[j]; }
-        int suffix = sum;  // keys in digits >= 8 lane
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_down_sync(FULL, suffix, o);
-          if (lane + o < 32) suffix += y;
-        }
-        int run = suffix - sum;  // keys in higher digits than this lane's
-#pragma unroll
-        for (int j = 7; j >= 0; --j) {
-          if (run < remaining && run + h[j] >= remaining) { sh[8] = 8 * lane + j; sh[9] = run; sh[10] = h[j]; }
-          run += h[j];
-        }
-      }
-      __syncthreads();
-      const int d = sh[8], above = sh[9], inside = sh[10];
-      remaining -= above;
-      prefix |= (uint32_t)d << shift;
-      kmask |= 0xFFu << shift;
-      if (inside == remaining) break;  // every key left in the threshold digit is chosen
-    }
-  } else if (need <= 0) {
-    remaining = 0;
-    prefix = 0xFFFFFFFFu;  // nothing matches (kmask = 0 gives key & kmask = 0 < prefix)
-  }
-  // compaction in page order: thread t owns pages [t C, t C + C)
-  int c_run = 1;
-  while (c_run * NTHR < fr.total) c_run <<= 1;
-  const int base = tid * c_run;
-  const int hi = min(base + c_run, fr.total);
-  int ties = 0;
-  for (int q = base; q < hi; ++q) ties += fr.candidate(q) && (keys[key_slot(q)] & kmask) == prefix;
-  int tie_total;
-  const int tie_before = block_exclusive_scan<NTHR>(ties, sh, tie_total);
-  auto chosen = [&](int q, int& tr) {
-    if (fr.forced(q)) return true;
-    if (!fr.candidate(q)) return false;
-    const uint32_t km = keys[key_slot(q)] & kmask;
-    if (km > prefix) return true;
-    if (km != prefix) return false;
-    return tr++ < remaining;
-  };
-  int tr = tie_before, n_in = 0;
-  for (int q = base; q < hi; ++q) n_in += chosen(q, tr);
-  int n_out;
-  int pos = block_exclusive_scan<NTHR>(n_in, sh, n_out);
-  tr = tie_before;
-  for (int q = base; q < hi; ++q) {
-    if (chosen(q, tr)) out[pos++] = q;
-  }
-  for (int kk = n_out + tid; kk < fr.k; kk += NTHR) out[kk] = -1;
-}
-
 // The kernel body. CSLOTS: centroid slots per warp. One slot suffices (a tile's centroids are read
 // at its first group and the next tile's copied at its last group; a tile with one group has no next
 // tile in its program) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
@@ -820,15 +611,6 @@ __device__ __forceinline__ void score_body(const Params& p) {
     st[tid] = m;
     st[p.gb + tid] = l;
   }
-  if constexpr (WARPS == 4) {  // the group slots hold the order keys, the centroid slots the histogram
-    constexpr int MAXP = tail_max_pages(D);
-    static_assert(sizeof(gslots) >= sizeof(uint32_t) * (MAXP + MAXP / 32), "key space");
-    static_assert(sizeof(cslots) >= sizeof(int) * 256, "histogram space");
-    if (p.sel_k > 0) {
-      select_tail<WARPS * 32>(p, row, b, pc, reinterpret_cast<uint32_t*>(&gslots[0][0]),
-                              reinterpret_cast<int*>(&cslots[0][0]));
-    }
-  }
 }
 
 // Resident blocks per SM: what the compiler's register allocation allows (92 registers on sm_90:
@@ -882,8 +664,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
                       const void* censcale, const void* block_table, int64_t stride_bt, const void* seq_lens,
                       void* scores, void* stats, int batch, int hkv, int g, int gb, int max_pages, int n_chunks,
                       int ppp, int balanced, float qk_scale2, int head_dim, int warps, int min_blocks,
-                      int sel_k, int sel_sink, int sel_recent, const void* sel_ss, void* sel_done, void* sel_out,
-                      void* ranking, void* lse, void* stream) {
+                      void* stream) {
   Params p;
   p.q = q;
   p.stride_qb = stride_qb;
@@ -908,16 +689,6 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   p.ppp = ppp;
   p.balanced = balanced;
   p.qk_scale2 = qk_scale2;
-  // the selection tail: four warps per block, rows of at most tail_max_pages pages
-  if (sel_k > 0 && (warps != 4 || max_pages > tail_max_pages(head_dim) || g > 16)) return -2;
-  p.sel_k = sel_k;
-  p.sel_sink = sel_sink;
-  p.sel_recent = sel_recent;
-  p.sel_ss = static_cast<const int32_t*>(sel_ss);
-  p.sel_done = static_cast<int32_t*>(sel_done);
-  p.sel_out = static_cast<int32_t*>(sel_out);
-  p.ranking = static_cast<float*>(ranking);
-  p.lse = static_cast<float*>(lse);
   // a static split of one tile per program: the tile's groups over the warps
   const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks, !balanced && ppp == TILE);
   if (k == nullptr) return -1;
@@ -934,9 +705,6 @@ int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt, int warps, int min_blo
   if (k == nullptr || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, warps * 32, 0) != cudaSuccess) return -1;
   return n;
 }
-
-// Pages per row the selection tail takes at a head_dim.
-int kvlocks_score_mma_tail_max_pages(int head_dim) { return tail_max_pages(head_dim); }
 
 const char* kvlocks_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
