@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--methods", default="locks", help="comma-separated: locks, dense")
     ap.add_argument("--fused-chunk", type=int, default=0, help="pages per fused program above one program per row "
                     "(0: default_fused_chunk)")
+    ap.add_argument("--fused-warps", type=int, default=0, help="warps per fused program where --fused-chunk applies "
+                    "(0: default_warps)")
     ap.add_argument("--modes", default="unfused,fused", help="comma-separated, any of: " + ", ".join(MODES))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -89,6 +91,9 @@ def main() -> None:
 
         base = fused.default_fused_chunk
         fused.default_fused_chunk = lambda p: base(p) if p <= fused.SINGLE_MAX else args.fused_chunk
+        if args.fused_warps:
+            base_warps = fused.default_warps
+            fused.default_warps = lambda c, n=2: args.fused_warps if c == args.fused_chunk else base_warps(c, n)
     for mode in args.modes.split(","):
         apply(mode)
         summary = run_e2e_bench(Path(args.out) / mode, cfg)

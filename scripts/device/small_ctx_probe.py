@@ -9,7 +9,8 @@ Both are latency-bound there. This times, CUDA-graph replayed (``score_probe._ti
   a tile's four page groups at once (since removed: no faster; each tile's cost is the warp's
   dependent instruction chain at about one warp per scheduler, not its memory round trips);
 - the load-only kernel (the summaries' bytes, no math) at 64, 128 and 512 pages per program;
-- the fused combine + selection at 512, 1024, 2048 pages per program and the default;
+- the fused combine + selection at ``--select-chunks`` pages per program (default 512, 1024, 2048)
+  and the default, at ``--select-warps`` warps per program (default: ``default_warps``);
 - one empty launch (the graph's per-kernel floor).
 
 JSON lines to ``--out``.
@@ -41,6 +42,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="glm4-9b-1m,llama3-8b")
     ap.add_argument("--contexts", default="16384,32768,65536,131072")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--select-chunks", default="512,1024,2048", help="fused selection pages per program")
+    ap.add_argument("--select-warps", default="", help="fused selection warps per program, comma-separated "
+                    "(default: default_warps of each chunk)")
+    ap.add_argument("--skip-score", action="store_true", help="time the selection only")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -63,28 +68,32 @@ def main() -> None:
             default_ppp = cuda_mma.pages_per_program(p, hkv, dev, d, g)
             sw = score_workspace(1, hkv, g, p, dev)
             score_pages_paged(q, case.store, tbl, seq, workspace=sw, rank=False)
-            for ppp in (16, 64, 128):  # 16: one tile per program, its groups over the warps
+            for ppp in () if args.skip_score else (16, 64, 128):  # 16: one tile per program, groups over warps
                 ws = score_workspace(1, hkv, g, p, dev, pages_per_program=ppp)
                 fn = lambda ws=ws: cuda_mma.score_pages_mma(q, case.store, tbl, seq, workspace=ws)  # noqa: E731
                 got = fn()[0]
                 err = float((got[..., :p] - sw["scores"][..., :p]).abs().max())
                 emit(kind="score", **base, warps=4, ppp=ppp, default=ppp == default_ppp,
                      programs=ws["n_chunks"] * hkv, us=_time(fn, n_graph=args.reps), max_err=err)
-            for ppp in (64, 128, 512):
+            for ppp in () if args.skip_score else (64, 128, 512):
                 emit(kind="load_only", **base, ppp=ppp,
                      us=_time(lambda ppp=ppp: _load_launch(case.store, tbl[0], hkv, p, 16, 4, ppp), n_graph=args.reps))
             sel = dict(page_size=c.page_size, k=k, sink_pages=c.sink_pages, recent_pages=c.recent_pages)
             ref = None
-            for chunk in sorted({512, 1024, 2048, default_fused_chunk(p)}):
+            chunks = {int(x) for x in args.select_chunks.split(",")} | {default_fused_chunk(p)}
+            for chunk in sorted(chunks):
                 if chunk > 2 * triton.next_power_of_2(p):
                     continue
                 fw = fused_workspace(1, hkv, p, k, dev, chunk=chunk)
-                out = rank_and_select(sw, seq, workspace=fw, **sel).clone()
-                ref = out if ref is None else ref
-                emit(kind="select", **base, chunk=chunk, warps=default_warps(chunk, fw["n_chunks"]),
-                     n_chunks=fw["n_chunks"], default=chunk == default_fused_chunk(p),
-                     same_pages=bool(torch.equal(out, ref)),
-                     us=_time(lambda fw=fw: rank_and_select(sw, seq, workspace=fw, **sel), n_graph=args.reps))
+                warps = [int(w) for w in args.select_warps.split(",") if w] or [default_warps(chunk, fw["n_chunks"])]
+                for nw in warps:
+                    fw["num_warps"] = nw
+                    out = rank_and_select(sw, seq, workspace=fw, **sel).clone()
+                    ref = out if ref is None else ref
+                    emit(kind="select", **base, chunk=chunk, warps=nw, n_chunks=fw["n_chunks"],
+                         default=chunk == default_fused_chunk(p) and nw == default_warps(chunk, fw["n_chunks"]),
+                         same_pages=bool(torch.equal(out, ref)),
+                         us=_time(lambda fw=fw: rank_and_select(sw, seq, workspace=fw, **sel), n_graph=args.reps))
             del case
 
 
