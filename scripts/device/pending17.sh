@@ -7,6 +7,8 @@
 # groups per step, one group at four warps), checked against the torch reference, then timed
 # side by side, interleaved, at 1M and 32K (the score kernel is the largest excess over the byte
 # floor at 1M, and one tile's four dependent groups per warp set its time at 32K).
+# Ran at 7aba31f (session 17, call 1): not faster; the pair variant was removed in the next commit
+# (570d609), so this script is the record and needs that commit's score_mma.cu to run again.
 # Usage on the device: bash scripts/device/pending17.sh "$OUT"
 set -u
 out=${1:?output folder}
