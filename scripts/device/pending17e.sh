@@ -3,6 +3,8 @@
 # in-kernel split merge as a candidate (one launch instead of two, at a half and a quarter of the
 # default split count): GLM-4-9B shape, 32K and 16K, batch 1, both methods; each row names the
 # launch its tuner chose and carries every candidate's time (`attention_launch_us`).
+# Ran at its commit (session 17, call 5): the merge candidates were the slowest everywhere and were
+# removed from the tuner in the next commit; this script is the record.
 # Usage on the device: bash scripts/device/pending17e.sh "$OUT"
 set -u
 out=${1:?output folder}

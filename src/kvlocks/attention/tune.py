@@ -26,30 +26,25 @@ from kvlocks.attention.triton import PPI, attention_workspace, paged_decode
 
 @dataclasses.dataclass(frozen=True)
 class DenseLaunch:
-    """One launch configuration: pages per inner step, warps, pipeline stages, the split count as a
-    multiple of the default (about 4 programs per SM), and whether each row's last split merges the
-    row's partials (``merge``: no second launch; ``paged_decode``'s workspace key ``merge_in_kernel``)."""
+    """One launch configuration: pages per inner step, warps, pipeline stages, and the split count
+    as a multiple of the default (about 4 programs per SM)."""
 
     ppi: int = PPI
     num_warps: int = 4
     num_stages: int = 3
     split_factor: float = 1.0
-    merge: bool = False
 
     def label(self) -> str:
-        return f"ppi{self.ppi}_w{self.num_warps}_s{self.num_stages}_x{self.split_factor:g}" + ("_merge" * self.merge)
+        return f"ppi{self.ppi}_w{self.num_warps}_s{self.num_stages}_x{self.split_factor:g}"
 
 
 DEFAULT = DenseLaunch()
-# every (ppi, warps, stages, merge) is one Triton compile; split factors reuse it. The in-kernel merge
-# (one launch instead of two, the row's partials merged serially by its last split) only with few
-# splits: with the default split count it made the whole step slower (session 11, docs/benchmarks.md).
+# every (ppi, warps, stages) is one Triton compile; split factors reuse it
 CANDIDATES: tuple[DenseLaunch, ...] = tuple(
     DenseLaunch(ppi, warps, stages, f)
     for ppi, warps, stages in ((4, 4, 3), (8, 8, 2), (8, 4, 2), (4, 8, 2))
     for f in (1.0, 2.0, 0.5, 0.25)
-) + tuple(DenseLaunch(ppi, warps, stages, f, merge=True) for ppi, warps, stages in ((4, 4, 3), (8, 8, 2))
-          for f in (0.5, 0.25))
+)
 
 
 def workspace_for(launch: DenseLaunch, *, batch: int, num_q_heads: int, head_dim: int, list_len: int, rows: int,
@@ -62,7 +57,6 @@ def workspace_for(launch: DenseLaunch, *, batch: int, num_q_heads: int, head_dim
     ws = attention_workspace(batch, num_q_heads, head_dim, list_len, rows, dtype, device, num_splits=splits,
                              ppi=launch.ppi)
     ws["launch"] = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-    ws["merge_in_kernel"] = launch.merge
     return ws
 
 
