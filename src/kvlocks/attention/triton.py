@@ -31,7 +31,9 @@ PPI = 4  # pages per inner step: 64 tokens at S=16, a [16, 64] x [64, D] dot per
 # for dense at 1M). But that program merges the row's G heads over every split alone (4 splits per
 # step), where the merge launch spreads them over B * Hq programs: it can lose where splits are many
 # (dense at long context). Workspace key "merge_in_kernel". Off: timed on the H200 (session 11,
-# GLM-4-9B, LOCKS) it made the step slower, 11.76 -> 12.19 ms at 1M and 7.74 -> 8.15 at 32K.
+# GLM-4-9B, LOCKS) it made the step slower, 11.76 -> 12.19 ms at 1M and 7.74 -> 8.15 at 32K; as a tuner
+# candidate at a half and a quarter of the default split count (session 17) it was the slowest launch
+# everywhere (LOCKS's 128 pages 10.0-13.8 us per layer against 7.2-7.4 us for two launches).
 MERGE_IN_KERNEL = False
 
 
