@@ -72,3 +72,72 @@ def compile_library(source: Path, arch: str) -> Path:
 def load_library(source: str, arch: str) -> ctypes.CDLL:
     """Compile (if not cached) and load; raises :class:`NvccUnavailable` when that is impossible."""
     return ctypes.CDLL(str(compile_library(Path(source), arch)))
+
+
+@lru_cache(maxsize=None)
+def _arch_of(index: int) -> str:
+    import torch  # noqa: PLC0415 (this module needs no torch to compile)
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
+
+
+class CudaSource:
+    """One shipped ``.cu`` file: compiled per GPU architecture at first use, loaded with ctypes, its
+    argument types declared by ``declare(lib)``; where that is impossible (not a CUDA device, no
+    nvcc, a compile error) :meth:`available` is False, with the reason in :meth:`unavailable_reason`,
+    and one RuntimeWarning naming ``fallback`` (what runs instead)."""
+
+    def __init__(self, source: Path, what: str, fallback: str, declare) -> None:
+        self.source, self.what, self.fallback, self._declare = Path(source), what, fallback, declare
+        self._state: dict[str, str | None] = {}
+
+    @staticmethod
+    def arch(device) -> str:
+        """``sm_XY`` of a CUDA device (cached)."""
+        import torch  # noqa: PLC0415
+
+        device = torch.device(device)
+        return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
+
+    def library(self, device) -> ctypes.CDLL:
+        lib = load_library(str(self.source), self.arch(device))
+        if not hasattr(lib, "_kvlocks_typed"):
+            self._declare(lib)
+            lib.kvlocks_error_string.argtypes = [ctypes.c_int]
+            lib.kvlocks_error_string.restype = ctypes.c_char_p
+            lib._kvlocks_typed = True
+        return lib
+
+    def available(self, device) -> bool:
+        """Whether the library is compiled and loadable for this CUDA device (compiles it on first call)."""
+        import torch  # noqa: PLC0415
+
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        key = self.arch(device)
+        if key not in self._state:
+            try:
+                self.library(device)
+                self._state[key] = None
+            except (NvccUnavailable, OSError) as exc:
+                self._state[key] = str(exc)
+                import warnings  # noqa: PLC0415
+
+                warnings.warn(f"{self.what} unavailable, {self.fallback} instead: {exc}", RuntimeWarning, stacklevel=3)
+        return self._state[key] is None
+
+    def unavailable_reason(self, device) -> str | None:
+        """Why :meth:`available` is False (not a CUDA device, nvcc missing, compile error), else None."""
+        import torch  # noqa: PLC0415
+
+        if self.available(device):
+            return None
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return "not a CUDA device"
+        return self._state[self.arch(device)]
+
+    def error(self, device, code: int) -> str:
+        return self.library(device).kvlocks_error_string(code).decode()

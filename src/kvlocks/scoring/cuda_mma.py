@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-import warnings
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from kvlocks._nvcc import NvccUnavailable, load_library
+from kvlocks._nvcc import CudaSource
 from kvlocks.cache.layout import PagedSummaries
 
 SOURCE = Path(__file__).with_name("score_mma.cu")
@@ -55,61 +53,22 @@ MIN_BLOCKS = 1
 # from about 512 programs. One case won, by 1.3 us per layer (0.8% of the GLM-4-9B step at 16K).
 GROUP_SPLIT = False
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
-_state: dict = {}
 
 
-@lru_cache(maxsize=None)
-def _arch_of(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm_{major}{minor}"
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
+                                      i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
+                                      vp]
+    lib.kvlocks_score_mma.restype = i32
+    lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32, i32]
+    lib.kvlocks_score_mma_blocks_per_sm.restype = i32
 
 
-def _arch(device: torch.device) -> str:
-    """``sm_XY`` of a CUDA device (cached: this runs on every scoring call)."""
-    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _library(device) -> ctypes.CDLL:
-    lib = load_library(str(SOURCE), _arch(torch.device(device)))
-    if not hasattr(lib, "_kvlocks_typed"):
-        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
-                                          i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
-                                          vp]
-        lib.kvlocks_score_mma.restype = i32
-        lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32, i32]
-        lib.kvlocks_score_mma_blocks_per_sm.restype = i32
-        lib.kvlocks_error_string.argtypes = [i32]
-        lib.kvlocks_error_string.restype = ctypes.c_char_p
-        lib._kvlocks_typed = True
-    return lib
-
-
-def available(device) -> bool:
-    """Whether the kernel is compiled and loadable for this CUDA device (compiles it on first call)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    key = _arch(device)
-    if key not in _state:
-        try:
-            _library(device)
-            _state[key] = None
-        except (NvccUnavailable, OSError) as exc:
-            _state[key] = str(exc)
-            warnings.warn(f"CUDA score kernel unavailable, the Triton kernels score pages instead: {exc}",
-                          RuntimeWarning, stacklevel=2)
-    return _state[key] is None
-
-
-def unavailable_reason(device) -> str | None:
-    """Why :func:`available` is False (not a CUDA device, nvcc missing, compile error), else None."""
-    if available(device):
-        return None
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "not a CUDA device"
-    return _state[_arch(device)]
+_SOURCE = CudaSource(SOURCE, "CUDA score kernel", "the Triton kernels score pages", _declare)
+_library = _SOURCE.library
+available = _SOURCE.available
+unavailable_reason = _SOURCE.unavailable_reason
 
 
 def supports(queries: torch.Tensor, group: int, summaries: PagedSummaries) -> bool:
@@ -196,6 +155,6 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
         ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps,
         variant_min_blocks(d, g, warps, ws.get("min_blocks")), torch.cuda.current_stream(queries.device).cuda_stream)
     if err:
-        reason = "unsupported head_dim/group/warps" if err == -1 else lib.kvlocks_error_string(err).decode()
+        reason = "unsupported head_dim/group/warps" if err == -1 else _SOURCE.error(queries.device, err)
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")
     return finish_scores(ws, seq_lens, hkv, g, max_pages, summaries.page_size, combine, rank)

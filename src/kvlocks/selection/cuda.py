@@ -29,7 +29,7 @@ MAX_CHUNKS = 511
 
 def _declare(lib: ctypes.CDLL) -> None:
     i32, vp = ctypes.c_int, ctypes.c_void_p
-    lib.kvlocks_rank_select.argtypes = [vp] * 11 + [i32] * 17 + [vp]
+    lib.kvlocks_rank_select.argtypes = [vp] * 11 + [i32] * 16 + [vp]
     lib.kvlocks_rank_select.restype = i32
 
 
