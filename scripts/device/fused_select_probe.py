@@ -67,9 +67,6 @@ def main() -> None:
     ap.add_argument("--bits", default="4", help="radix digit widths to try in the fused variants, e.g. 4,5")
     ap.add_argument("--rebase", default="off", choices=("off", "on", "both"),
                     help="radix passes over rebased keys (REBASE_KEYS): off, on, or both")
-    ap.add_argument("--cuda-chunks", default="",
-                    help="also the CUDA kernel (kvlocks.selection.cuda) at these pages per block, e.g. default,2048")
-    ap.add_argument("--cuda-threads", default="0", help="threads per block of the CUDA variants (0: its default)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -95,37 +92,26 @@ def main() -> None:
                          "us": _time(unfused, n_graph=args.reps)}]
                 seen = set()
                 flags = {"off": (False,), "on": (True,), "both": (False, True)}
-                variants = [(c, e, r, int(b), x, False, 0) for c in args.chunks.split(",")
-                            for e in flags[args.early] for r in flags[args.regs]
-                            for b in args.bits.split(",") for x in flags[args.rebase]]
-                variants += [(c, True, True, 5, True, True, int(th)) for c in args.cuda_chunks.split(",") if c
-                             for th in args.cuda_threads.split(",")]
-                for ch, ee, rg, bits, rb, cu, th in variants:
+                for ch, ee, rg, bits, rb in [(c, e, r, int(b), x) for c in args.chunks.split(",")
+                                             for e in flags[args.early] for r in flags[args.regs]
+                                             for b in args.bits.split(",") for x in flags[args.rebase]]:
                     chunk = default_fused_chunk(pages) if ch == "default" else int(ch)
                     fw = fused_workspace(bsz, hkv, pages, args.k, dev, chunk=chunk)
                     fw["early_exit"] = ee
                     fw["merge_in_registers"] = rg
                     fw["digit_bits"] = bits
                     fw["rebase_keys"] = rb
-                    fw["cuda"], fw["threads"] = cu, th
-                    if (fw["chunk"], ee, rg, bits, rb, cu, th) in seen:
+                    if (fw["chunk"], ee, rg, bits, rb) in seen:
                         continue
-                    seen.add((fw["chunk"], ee, rg, bits, rb, cu, th))
-                    if cu:
-                        from kvlocks.selection import cuda as sel_cuda
-
-                        if not sel_cuda.supports(sw, fw, args.k, 1, 1):
-                            continue
-                        ch = f"cuda@{fw['chunk']}/{th or sel_cuda.default_threads(fw['chunk'])}"
-                    else:
-                        ch = "fused@" + ch + ("+early" if ee else "") + ("+regs" if rg else "") \
-                            + ("+bits5" if bits == 5 else "") + ("+rebase" if rb else "")
+                    seen.add((fw["chunk"], ee, rg, bits, rb))
+                    ch = ch + ("+early" if ee else "") + ("+regs" if rg else "") + ("+bits5" if bits == 5 else "") \
+                        + ("+rebase" if rb else "")
 
                     def fused(fw=fw):
                         return rank_and_select(sw, seq, workspace=fw, **sel)
 
                     got = fused().clone()
-                    rows.append({**base, "variant": ch, "chunk": fw["chunk"], "n_chunks": fw["n_chunks"],
+                    rows.append({**base, "variant": f"fused@{ch}", "chunk": fw["chunk"], "n_chunks": fw["n_chunks"],
                                  "us": _time(fused, n_graph=args.reps), "same": bool(torch.equal(got, ref)),
                                  "rank_err": float((sw["ranking"] - ref_rank).abs().max() / ref_rank.abs().max()),
                                  "counters_zero": int(fw["done"].abs().sum()) == 0})

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# A record: the CUDA selection it checks and times was slower than the Triton kernel and removed
+# (commit 1bb5f27 has it, with its tests; results in docs/results/gpu_session18/call1/).
 # Session 18's first call (~8 min): the CUDA fused rank + selection (kvlocks.selection.cuda,
 # select_rank.cu) checked and timed. 1) its GPU tests and the Triton selection's (same pages as the
 # reference selection, ties, graph replay; nvcc compile); 2) fused_select_probe.py: the selection

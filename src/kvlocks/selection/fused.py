@@ -32,9 +32,6 @@ from kvlocks.selection.triton import (
     _forced, _orderkey, check_select_args, chunk_winners, merge_meta, merge_row, select_workspace,
 )
 
-# On CUDA, the same launch from select_rank.cu (kvlocks.selection.cuda) where it supports the shapes;
-# workspace key ``cuda`` overrides. Off until timed against this kernel on the H200.
-CUDA_SELECT = False
 SINGLE_MAX = 1536  # rows of at most this many pages are selected by one program (no merge radix)
 UNROLL_HEADS = True  # workspace["unroll_heads"] overrides (a probe option)
 
@@ -176,15 +173,6 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
     ws = workspace or fused_workspace(bsz, hkv, max_pages, k, scores.device)
     if ws["out"].shape != (bsz, hkv, k):
         raise ValueError(f"workspace is for output {tuple(ws['out'].shape)}, not {(bsz, hkv, k)}")
-    if sink_start is not None and (sink_start.shape != (bsz,) or sink_start.dtype != torch.int32
-                                   or not sink_start.is_contiguous()):
-        raise ValueError(f"sink_start must be contiguous int32 [{bsz}], got {sink_start.dtype} {tuple(sink_start.shape)}")
-    if ws.get("cuda", CUDA_SELECT) and scores.is_cuda:
-        from kvlocks.selection import cuda  # noqa: PLC0415 (compiles on first use)
-
-        if cuda.supports(score_ws, ws, k, sink_pages, recent_pages):
-            return cuda.rank_and_select_cuda(score_ws, seq_lens, ws, page_size=page_size, k=k, rule=RULES[combine],
-                                             sink_pages=sink_pages, recent_pages=recent_pages, sink_start=sink_start)
     ss = sink_start if sink_start is not None else seq_lens
     _rank_select_kernel[(ws["n_chunks"], bsz * hkv)](
         scores, score_ws["stats"], score_ws["n_chunks"], seq_lens, ss, score_ws["ranking"], score_ws["lse"],
