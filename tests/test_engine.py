@@ -304,13 +304,16 @@ def _one_attention_launch(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("skip_idle", [False, True])
-def test_cuda_graph_replay_equals_eager_steps(skip_idle, monkeypatch):
+@pytest.mark.parametrize("skip_idle,pdl_on", [(False, False), (True, False), (True, True)])
+def test_cuda_graph_replay_equals_eager_steps(skip_idle, pdl_on, monkeypatch):
     """Graph replays give the eager steps' tokens across several page fills (budget 64 < context);
-    with SKIP_IDLE_BUILDS, LOCKS replays one of its two graphs per step."""
+    with SKIP_IDLE_BUILDS, LOCKS replays one of its two graphs per step; with programmatic dependent
+    launch (kvlocks.pdl) as well."""
+    from kvlocks import pdl
     from kvlocks.engine import graph
 
     monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", skip_idle)
+    monkeypatch.setattr(pdl, "ENABLED", pdl_on)
     launch = _one_attention_launch(monkeypatch)
     model = _tiny("llama3.1-8b", seed=3).to("cuda")
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()

@@ -546,6 +546,52 @@ def test_decode_step_is_graph_capturable():
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
 
 
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
+def test_decode_step_with_programmatic_dependent_launch_is_unchanged(monkeypatch):
+    """kvlocks.pdl on: the score kernel triggers its dependents, the fused selection, the attention and
+    its merge are launched early and wait; eager and graph-replayed steps give bit-for-bit the pages,
+    outputs and LSEs of the same step without PDL, and so does the dense split-KV path."""
+    from kvlocks import pdl
+
+    cfg = LocksConfig(budget=2048)
+    q, k, v, table, seq = make_paged([100_000, 40_000], 4, 4, 128, BF16, seed=5)
+    store = built_store(k, table, seq, cfg)
+    kw = dict(batch=2, num_kv_heads=4, group=4, head_dim=128, max_pages=table.shape[1], config=cfg,
+              dtype=q.dtype, device=DEV)
+    dense_pages = attn_tri.identity_pages(2, 4, table.shape[1], DEV)
+
+    def step(plan):
+        out, lse = plan.run(q, k, v, store, table, seq)
+        d_out, d_lse = paged_decode(q, k, v, table, seq, dense_pages, backend="triton")
+        return [t.clone() for t in (plan.pages, out, lse, d_out, d_lse)]
+
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    base = step(DecodePlan(**kw))
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.enabled(DEV)
+    plan = DecodePlan(**kw)
+    eager = step(plan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [plan.run(q, k, v, store, table, seq)]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(base, eager):
+        assert torch.equal(a, b)
+    assert torch.equal(plan.pages, base[0])
+    assert torch.equal(outs[0][0], base[1]) and torch.equal(outs[0][1], base[2])
+
+
+def test_programmatic_dependent_launch_is_off_without_a_hopper_gpu(monkeypatch):
+    from kvlocks import pdl
+
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.enabled("cpu") is False
+    if CUDA and torch.cuda.get_device_capability() < (9, 0):
+        assert pdl.enabled("cuda") is False
+
+
 def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monkeypatch):
     """kvlocks.attention.tune: every candidate launch (pages per step, warps, stages, split count)
     computes the reference dense attention; the tuner returns the launch its timer says is fastest,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kvlocks.cache.layout import dot_dtype, token_major_to_paged
+from kvlocks.pdl import enabled as pdl_enabled
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -42,7 +43,11 @@ def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks
                  seqlen_ptr, pl_ptr, stride_lb, stride_lh, n_list, po_ptr, plse_ptr, Hkv, G, n_splits,
                  pages_per_split, qk_scale, done_ptr, out_ptr, stride_ob, stride_oh, lse_ptr,
                  GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PP: tl.constexpr,
-                 DOT_DT: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr = False):
+                 DOT_DT: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
+    if PDL:  # launched early (kvlocks.pdl): wait for the kernels ahead, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -133,7 +138,10 @@ def _merge_rows(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, b, hea
 
 @triton.jit
 def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, Hq, n_splits, D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+                  BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)  # b * Hq + head
     b = r // Hq
     hq = r % Hq
@@ -208,18 +216,19 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     fused = bool(ws.get("merge_in_kernel", MERGE_IN_KERNEL))
     if fused and ws["done"].numel() < bsz * hkv:
         raise ValueError(f"workspace has {ws['done'].numel()} row counters, the launch needs {bsz * hkv} (B * Hkv)")
+    pdl = pdl_enabled(queries.device)
     _attn_kernel[(ws["splits"], bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_table, block_table.stride(0), seq_lens, page_list, page_list.stride(0),
         page_list.stride(1), n_list, ws["po"], ws["plse"], hkv, g, ws["splits"], ws["pps"], scale * LOG2E,
         ws["done"], out, out.stride(0), out.stride(1), lse,
         GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=ws.get("ppi", PPI), DOT_DT=dt,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", MERGE=fused,
-        **ws.get("launch", {"num_warps": 4, "num_stages": 3}),
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", MERGE=fused, PDL=pdl,
+        **ws.get("launch", {"num_warps": 4, "num_stages": 3}), **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
         _merge_kernel[(bsz * hq,)](ws["po"], ws["plse"], out, out.stride(0), out.stride(1), lse, hq, ws["splits"],
-                                   D=d, BLOCK_S=32, num_warps=4)
+                                   D=d, BLOCK_S=32, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out, lse
 
 

@@ -613,21 +613,33 @@ __device__ __forceinline__ void score_body(const Params& p) {
   }
 }
 
+// Programmatic dependent launch (kvlocks/pdl.py): the kernel after this one (the fused selection) may be
+// scheduled as soon as every block of this one has started; it waits for this kernel's completion
+// before reading anything. Without a dependent launched that way this does nothing.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Resident blocks per SM: what the compiler's register allocation allows (92 registers on sm_90:
 // 5 blocks of 4 warps), or six asked for (at most 80 registers, one centroid slot: 24 warps per SM).
 template <int D, int NT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
+  allow_dependents();
   score_body<D, NT, WARPS, 2>(p);
 }
 
 template <int D, int NT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 6) score_kernel_six(const Params p) {
+  allow_dependents();
   score_body<D, NT, WARPS, 1>(p);
 }
 
 // One tile per program, its four groups over the four warps (launches with ppp = TILE).
 template <int D, int NT>
 __global__ void __launch_bounds__(128) score_kernel_gsplit(const Params p) {
+  allow_dependents();
   score_body<D, NT, 4, 1, true>(p);
 }
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlocks.pdl import enabled as pdl_enabled
 from kvlocks.scoring.triton import _LN2, _LOG2E, RULES, _check_rule, row_lse2, stats_block
 from kvlocks.selection.triton import (
     _forced, _orderkey, check_select_args, chunk_winners, merge_meta, merge_row, select_workspace,
@@ -92,7 +93,10 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
                         GP: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
                         KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
                         HAS_SS: tl.constexpr, GU: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr,
-                        BITS: tl.constexpr, REBASE: tl.constexpr = False):
+                        BITS: tl.constexpr, REBASE: tl.constexpr = False, PDL: tl.constexpr = False):
+    if PDL:  # launched early (kvlocks.pdl): wait for the score kernel, then let the attention launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     c = tl.program_id(0)
     row = tl.program_id(1)
     b = row // Hkv
@@ -174,12 +178,14 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
     if ws["out"].shape != (bsz, hkv, k):
         raise ValueError(f"workspace is for output {tuple(ws['out'].shape)}, not {(bsz, hkv, k)}")
     ss = sink_start if sink_start is not None else seq_lens
+    pdl = pdl_enabled(scores.device)
     _rank_select_kernel[(ws["n_chunks"], bsz * hkv)](
         scores, score_ws["stats"], score_ws["n_chunks"], seq_lens, ss, score_ws["ranking"], score_ws["lse"],
         ws["keys"], ws["idx"], ws["count"], ws["done"], ws["out"], hkv, g, max_pages, ws["n_chunks"],
         S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws["chunk"], GP=score_ws["stats"].shape[-1],
         RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None,
         GU=g if ws.get("unroll_heads", UNROLL_HEADS) else 0, **merge_meta(ws, k, sink_pages, recent_pages),
-        num_warps=ws.get("num_warps") or default_warps(ws["chunk"], ws["n_chunks"]),
+        num_warps=ws.get("num_warps") or default_warps(ws["chunk"], ws["n_chunks"]), PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return ws["out"]
