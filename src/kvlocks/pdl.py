@@ -23,8 +23,11 @@ from functools import lru_cache
 
 import torch
 
-# Off until timed side by side on the H200 (scripts/device/select_ab.py --modes pdl,defaults11).
-ENABLED = os.environ.get("KVLOCKS_PDL", "0") == "1"
+# On (``KVLOCKS_PDL=0`` turns it off). H200, GLM-4-9B shape, batch 1, whole-model TPOT, modes
+# interleaved on one machine (session 18, scripts/device/select_ab.py --modes defaults11,pdl,...;
+# docs/results/gpu_session18/call2/): 32K LOCKS 7.004 / 6.860 -> 6.578 / 6.603 ms, dense 6.729 / 6.713
+# -> 6.536 / 6.571; 1M LOCKS 11.142 -> 10.837. Same pages, outputs and tokens (GPU tests).
+ENABLED = os.environ.get("KVLOCKS_PDL", "1") == "1"
 
 
 @lru_cache(maxsize=None)
@@ -33,8 +36,20 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def enabled(device) -> bool:
-    """Whether launches on ``device`` use PDL: ``ENABLED``, a CUDA device of compute capability >= 9.0."""
+    """Whether launches on ``device`` use PDL: ``ENABLED``, a CUDA device of compute capability >= 9.0
+    and a Triton with the grid-dependency intrinsics."""
     device = torch.device(device)
     if not ENABLED or device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0) \
+        and _triton_has_gdc()
+
+
+@lru_cache(maxsize=None)
+def _triton_has_gdc() -> bool:
+    """Triton >= 3.4 has the grid-dependency intrinsics and the ``launch_pdl`` launch option."""
+    try:
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
