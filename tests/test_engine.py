@@ -330,6 +330,32 @@ def test_cuda_graph_replay_equals_eager_steps(skip_idle, pdl_on, monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_compiled_graph_step_with_inductor_pdl_equals_without(monkeypatch):
+    """The compiled pieces with Inductor's programmatic dependent launch (step.INDUCTOR_PDL) and the
+    score kernel launched early (cuda_mma.SCORE_PDL), beside kvlocks.pdl's attention kernels: the
+    graph-replayed bf16 engine's tokens equal those of the same engine with none of the three, dense
+    and LOCKS."""
+    from kvlocks import pdl
+    from kvlocks.engine import step as step_mod
+    from kvlocks.scoring import cuda_mma
+
+    _one_attention_launch(monkeypatch)
+    model = _tiny("glm4-9b-1m", seed=3, num_hidden_layers=3).to("cuda", torch.bfloat16)  # bf16: the CUDA score kernel
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    for method in ("dense", "locks"):
+        out = []
+        for on in (False, True):
+            monkeypatch.setattr(step_mod, "INDUCTOR_PDL", on)
+            monkeypatch.setattr(cuda_mma, "SCORE_PDL", on)
+            monkeypatch.setattr(pdl, "ENABLED", on)
+            torch._dynamo.reset()
+            eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=64), batch=2,
+                                                   max_context=400, cuda_graph=True, compile=True))
+            out.append(eng.generate(ids, max_new_tokens=24))
+        assert torch.equal(out[0], out[1]), method
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_auto_switch_mid_decode_with_cuda_graphs(monkeypatch):
     """method="auto" on the GPU: a graph-replayed dense decode switches to LOCKS (bulk build, then
     LOCKS's graph captured) at the threshold; the tokens equal the eager engine's doing the same,

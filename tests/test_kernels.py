@@ -547,11 +547,16 @@ def test_decode_step_is_graph_capturable():
 
 
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
-def test_decode_step_with_programmatic_dependent_launch_is_unchanged(monkeypatch):
-    """kvlocks.pdl on: the score kernel triggers its dependents, the fused selection, the attention and
-    its merge are launched early and wait; eager and graph-replayed steps give bit-for-bit the pages,
-    outputs and LSEs of the same step without PDL, and so does the dense split-KV path."""
+@pytest.mark.parametrize("score_pdl", [False, True])
+def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, monkeypatch):
+    """kvlocks.pdl on: the score kernel triggers its dependents (and with SCORE_PDL is launched early
+    itself), the fused selection, the attention and its merge are launched early and wait; eager and
+    graph-replayed steps give bit-for-bit the pages, outputs and LSEs of the same step without PDL,
+    and so does the dense split-KV path."""
     from kvlocks import pdl
+    from kvlocks.scoring import cuda_mma
+
+    monkeypatch.setattr(cuda_mma, "SCORE_PDL", score_pdl)
 
     cfg = LocksConfig(budget=2048)
     q, k, v, table, seq = make_paged([100_000, 40_000], 4, 4, 128, BF16, seed=5)

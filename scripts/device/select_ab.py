@@ -38,7 +38,8 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "REBASE_KEYS": ("kvlocks.selection.triton", True),
             "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", None),
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
-            "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False), "ENABLED": ("kvlocks.pdl", True)}
+            "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False), "ENABLED": ("kvlocks.pdl", True),
+            "SCORE_PDL": ("kvlocks.scoring.cuda_mma", False), "INDUCTOR_PDL": ("kvlocks.engine.step", False)}
 SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
 OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
@@ -51,7 +52,8 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "merge_in_kernel": {"MERGE_IN_KERNEL": True},
          "prepared10": {"MERGE_IN_KERNEL": True},
          "max_autotune": {"COMPILE_MODE": "max-autotune-no-cudagraphs"},
-         "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}, "pdl": {"ENABLED": True}, "no_pdl": {"ENABLED": False}}
+         "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}, "pdl": {"ENABLED": True}, "no_pdl": {"ENABLED": False},
+         "score_pdl": {"SCORE_PDL": True}, "inductor_pdl": {"SCORE_PDL": True, "INDUCTOR_PDL": True}}
 
 
 def apply(mode: str) -> None:

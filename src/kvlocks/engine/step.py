@@ -49,6 +49,12 @@ DYNAMIC_CACHE_ROWS = True
 # Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
 # stays ours). Untimed so far (select_ab.py --modes ...,max_autotune).
 COMPILE_MODE = None
+# Inductor's own programmatic dependent launch for the compiled pieces' Triton kernels
+# (``torch._inductor.config.triton.enable_pdl``, where this torch has it), applied while the step
+# runs (the pieces compile at its first call), together with kvlocks.pdl for the attention's kernels:
+# each compiled kernel waits before reading what the kernel ahead wrote and lets the next launch early.
+# Prepared, off: untimed (scripts/device/select_ab.py --modes defaults11,inductor_pdl).
+INDUCTOR_PDL = False
 
 
 class DecodeStep:
@@ -96,6 +102,15 @@ class DecodeStep:
         """Decode one token per sequence; returns logits ``[B, V]`` (model dtype). ``build=False``
         leaves out the incremental summary builds (one launch per layer), for a step that fills no
         page (:meth:`fills_page`); with ``build=True`` they run and build only what filled."""
+        if self.compiled and INDUCTOR_PDL:
+            import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+            if hasattr(inductor_config.triton, "enable_pdl"):
+                with inductor_config.patch({"triton.enable_pdl": True}):
+                    return self._step(build)
+        return self._step(build)
+
+    def _step(self, build: bool) -> torch.Tensor:
         p, c = self.parts, self.cache
         bsz, s = c.batch, c.page_size
         torch.add(c.seq_lens, 1, out=self.lens_next)

@@ -22,6 +22,7 @@ import torch
 
 from kvlocks._nvcc import CudaSource
 from kvlocks.cache.layout import PagedSummaries
+from kvlocks.pdl import enabled as pdl_enabled
 
 SOURCE = Path(__file__).with_name("score_mma.cu")
 HEAD_DIMS = (64, 128)
@@ -52,6 +53,11 @@ MIN_BLOCKS = 1
 # the per-program set-up (queries, shared centroids and page ids per warp) outweighs the chain
 # from about 512 programs. One case won, by 1.3 us per layer (0.8% of the GLM-4-9B step at 16K).
 GROUP_SPLIT = False
+# Launched with programmatic dependent launch (kvlocks.pdl) where that is on: the kernel may then start
+# before the one ahead of it (the compiled projection piece, the incremental build) has finished, and
+# waits for it first (with or without this, it lets the fused selection launch early). Prepared, off:
+# untimed; scripts/device/select_ab.py --modes defaults11,score_pdl,inductor_pdl times it.
+SCORE_PDL = False
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -59,7 +65,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
                                       i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
-                                      vp]
+                                      i32, vp]
     lib.kvlocks_score_mma.restype = i32
     lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32, i32]
     lib.kvlocks_score_mma_blocks_per_sm.restype = i32
@@ -153,7 +159,8 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
         st.centroid_scale.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         ws["scores"].data_ptr(), ws["stats"].data_ptr(), bsz, hkv, g, ws["stats"].shape[-1], max_pages,
         ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps,
-        variant_min_blocks(d, g, warps, ws.get("min_blocks")), torch.cuda.current_stream(queries.device).cuda_stream)
+        variant_min_blocks(d, g, warps, ws.get("min_blocks")), int(SCORE_PDL and pdl_enabled(queries.device)),
+        torch.cuda.current_stream(queries.device).cuda_stream)
     if err:
         reason = "unsupported head_dim/group/warps" if err == -1 else _SOURCE.error(queries.device, err)
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")

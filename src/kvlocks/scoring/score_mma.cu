@@ -613,11 +613,14 @@ __device__ __forceinline__ void score_body(const Params& p) {
   }
 }
 
-// Programmatic dependent launch (kvlocks/pdl.py): the kernel after this one (the fused selection) may be
-// scheduled as soon as every block of this one has started; it waits for this kernel's completion
-// before reading anything. Without a dependent launched that way this does nothing.
+// Programmatic dependent launch (kvlocks/pdl.py). Launched with the attribute (`pdl`, cuda_mma.SCORE_PDL),
+// this kernel may start before the kernel ahead of it has finished, so it first waits for that kernel's
+// completion; launched without it the wait returns at once. Then the kernel after this one (the fused
+// selection) may be scheduled as soon as every block of this one has got that far; it waits for this
+// kernel's completion before reading anything. Without a dependent launched that way this does nothing.
 __device__ __forceinline__ void allow_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -675,7 +678,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
                       const void* bscale, const void* coef, const void* cscale, const void* cen,
                       const void* censcale, const void* block_table, int64_t stride_bt, const void* seq_lens,
                       void* scores, void* stats, int batch, int hkv, int g, int gb, int max_pages, int n_chunks,
-                      int ppp, int balanced, float qk_scale2, int head_dim, int warps, int min_blocks,
+                      int ppp, int balanced, float qk_scale2, int head_dim, int warps, int min_blocks, int pdl,
                       void* stream) {
   Params p;
   p.q = q;
@@ -706,8 +709,19 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   if (k == nullptr) return -1;
   void* args[] = {&p};
   const dim3 grid(n_chunks, batch * hkv);
-  return (int)cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, dim3(warps * 32), args, 0,
-                               static_cast<cudaStream_t>(stream));
+  if (!pdl)
+    return (int)cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, dim3(warps * 32), args, 0,
+                                 static_cast<cudaStream_t>(stream));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(warps * 32);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(k), args);
 }
 
 // Resident blocks per SM of a variant (what the launch sizes aim at), or -1.
