@@ -9,9 +9,10 @@ from kvlocks.config import LocksConfig
 
 METHODS = ("locks", "dense", "auto")
 # auto: where LOCKS starts to decode faster than dense, as the K/V bytes one sequence holds per layer.
-# On the H200 (budget 2048, session 16, against the tuned dense launch) GLM-4-9B (4 KV heads, 2 KB per
-# token and layer in bf16) is 0.99x at 32K and 1.05x at 64K (1.0 at ~37K tokens, ~75 MB); Llama-3.1-8B
-# (8 KV heads, 4 KB) 0.96x at 16K, 1.05x at 32K (1.0 at ~22K, ~90 MB). 80 MB is within ~1-2% of both.
+# On the H200 (budget 2048, session 18, against the tuned dense launch, both with programmatic dependent
+# launch) GLM-4-9B (4 KV heads, 2 KB per token and layer in bf16) is 1.00x at 32K and 1.07x at 64K (1.0
+# at ~33K tokens, ~68 MB; session 16: ~37K); Llama-3.1-8B (8 KV heads, 4 KB) 0.96x at 16K, 1.05x at 32K
+# (1.0 at ~22K, ~90 MB). 80 MB, between the two, is within ~1-2% of both.
 # Below it dense's one attention kernel beats LOCKS's three dependent ones; above it the K/V read
 # dominates. docs/benchmarks.md, "Targets (issue 6)".
 AUTO_CROSSOVER_KV_BYTES = 80_000_000
