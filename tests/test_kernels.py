@@ -597,6 +597,21 @@ def test_programmatic_dependent_launch_is_off_without_a_hopper_gpu(monkeypatch):
         assert pdl.enabled("cuda") is False
 
 
+@pytest.mark.parametrize("value,expect", [("1", True), ("0", False), (" 0 ", False), ("true", None), ("", None)])
+def test_programmatic_dependent_launch_switch_from_the_environment(value, expect, monkeypatch):
+    """KVLOCKS_PDL: '1' (default) or '0'; anything else is refused with the allowed values, not read as off."""
+    from kvlocks import pdl
+
+    monkeypatch.setenv("KVLOCKS_PDL", value)
+    if expect is None:
+        with pytest.raises(ValueError, match="KVLOCKS_PDL=.*allowed '1'"):
+            pdl._from_env()
+    else:
+        assert pdl._from_env() is expect
+    monkeypatch.delenv("KVLOCKS_PDL")
+    assert pdl._from_env() is True
+
+
 def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monkeypatch):
     """kvlocks.attention.tune: every candidate launch (pages per step, warps, stages, split count)
     computes the reference dense attention; the tuner returns the launch its timer says is fastest,

@@ -27,7 +27,14 @@ import torch
 # interleaved on one machine (session 18, scripts/device/select_ab.py --modes defaults11,pdl,...;
 # docs/results/gpu_session18/call2/): 32K LOCKS 7.004 / 6.860 -> 6.578 / 6.603 ms, dense 6.729 / 6.713
 # -> 6.536 / 6.571; 1M LOCKS 11.142 -> 10.837. Same pages, outputs and tokens (GPU tests).
-ENABLED = os.environ.get("KVLOCKS_PDL", "1") == "1"
+def _from_env() -> bool:
+    value = os.environ.get("KVLOCKS_PDL", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"KVLOCKS_PDL={value!r}: allowed '1' (programmatic dependent launch on, the default) or '0'")
+    return value == "1"
+
+
+ENABLED = _from_env()
 
 
 @lru_cache(maxsize=None)
