@@ -26,6 +26,20 @@ def test_score_kernel_source_compiles_and_exports_its_entry_points(tmp_path, mon
         assert hasattr(lib, name), name
 
 
+def test_ctypes_declarations_match_the_c_entry_points():
+    """Every argtypes list declared for the score library has as many entries as its C function has
+    parameters (a mismatch fails only at the first launch on a GPU)."""
+    import re
+    from types import SimpleNamespace
+
+    text = cuda_mma.SOURCE.read_text()
+    lib = SimpleNamespace(kvlocks_score_mma=SimpleNamespace(), kvlocks_score_mma_blocks_per_sm=SimpleNamespace())
+    cuda_mma._declare(lib)
+    for name in ("kvlocks_score_mma", "kvlocks_score_mma_blocks_per_sm"):
+        params = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text).group(1)
+        assert len(getattr(lib, name).argtypes) == params.count(",") + 1, name
+
+
 def test_cuda_source_reports_why_it_is_unavailable_off_the_gpu():
     """On a CPU device the CUDA score library says it is unavailable and why (the caller then runs the
     Triton kernels); no compile is attempted."""
