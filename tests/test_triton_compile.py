@@ -40,6 +40,10 @@ ATTN_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr": 
              "stride_oh": "i32", "lse_ptr": "*fp32"}
 
 
+MERGE_KERNEL_ARGS = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32",
+                     "stride_oh": "i32", "lse_ptr": "*fp32", "Hq": "i32", "n_splits": "i32"}
+
+
 def _compile(fn, args: dict, consts: dict, num_warps: int, **options):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -62,18 +66,21 @@ def main() -> None:
                          8)
         for k in (chunk, merge):
             assert len(k.asm["cubin"]) > 1000 and ".target sm_90" in k.asm["ptx"]
-    for early, regs, bits, heads, warps, rebase in ((False, False, 4, 8, 16, False), (True, True, 5, 0, 8, True)):
+    for early, regs, bits, heads, warps, rebase, pdl in ((False, False, 4, 8, 16, False, False),
+                                                         (True, True, 5, 0, 8, True, True)):
         k = _compile(fused._rank_select_kernel, FUSED_ARGS,
                      dict(MERGE, CH=4096, GP=8, RULE=0, BLOCK_K=256, GU=heads, EARLY=early, REGS=regs, BITS=bits,
-                          REBASE=rebase), warps)
+                          REBASE=rebase, PDL=pdl), warps, **({"launch_pdl": True} if pdl else {}))
         ptx = k.asm["ptx"]
         assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 1000
+        _check_pdl(ptx, pdl)
         # the per-row arrival counter: one thread's acquire-release GPU-scope atomic after a CTA barrier
         at = ptx.index("atom.global.gpu.acq_rel.add")
         assert "bar.sync" in ptx[max(0, at - 400):at]
         assert "ld.global.cg" in ptx  # the merge reads other programs' winners past L1
     build_kernels()
     attention_kernels()
+    gemv_kernel()
     import triton
 
     print("triton", triton.__version__)
@@ -126,18 +133,45 @@ def build_kernels() -> None:
     assert any(op.startswith(("LDS", "STS")) for op in lean["loop_body_pipe_by_op"]), lean["loop_body_pipe_by_op"]
 
 
+def _check_pdl(ptx: str, pdl: bool) -> None:
+    """With programmatic dependent launch (kvlocks.pdl) the kernel waits for the grids ahead before its
+    first global load and then lets its dependents launch; without it neither instruction is there."""
+    assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+    if pdl:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
 def attention_kernels() -> None:
-    """The split-KV attention with and without the merge done by each row's last split."""
+    """The split-KV attention with and without the merge done by each row's last split, and with and
+    without programmatic dependent launch (also the separate merge kernel)."""
     import triton.language as tl
 
     from kvlocks.attention import triton as at
 
-    for merge in (False, True):
+    for merge, pdl in ((False, False), (True, False), (False, True)):
         k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=128, S=16, PP=4, DOT_DT=tl.bfloat16, PRECISION="tf32",
-                                                      MERGE=merge), 4, num_stages=3)
+                                                      MERGE=merge, PDL=pdl), 4, num_stages=3,
+                     **({"launch_pdl": True} if pdl else {}))
         ptx = k.asm["ptx"]
         assert ".target sm_90" in ptx
         assert ("atom.global.gpu.acq_rel.add" in ptx) == merge and ("ld.global.cg" in ptx) == merge
+        _check_pdl(ptx, pdl)
+    for pdl in (False, True):
+        k = _compile(at._merge_kernel, MERGE_KERNEL_ARGS, dict(D=128, BLOCK_S=32, PDL=pdl), 4,
+                     **({"launch_pdl": True} if pdl else {}))
+        assert ".target sm_90" in k.asm["ptx"]
+        _check_pdl(k.asm["ptx"], pdl)
+
+
+def gemv_kernel() -> None:
+    """The small-batch weight product (kvlocks.engine.gemv): bf16 weights on the tensor cores."""
+    from kvlocks.engine import gemv
+
+    args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "B": "i32", "N": "i32",
+            "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_y": "i32"}
+    k = _compile(gemv._gemv_kernel, args, dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=256), 4, num_stages=4)
+    assert ".target sm_90" in k.asm["ptx"] and ("mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"])
 
 
 ROOT = Path(__file__).resolve().parents[1]
