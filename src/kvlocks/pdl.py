@@ -37,19 +37,20 @@ def _from_env() -> bool:
 ENABLED = _from_env()
 
 
-@lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def enabled(device) -> bool:
     """Whether launches on ``device`` use PDL: ``ENABLED``, a CUDA device of compute capability >= 9.0
-    and a Triton with the grid-dependency intrinsics."""
-    device = torch.device(device)
-    if not ENABLED or device.type != "cuda" or not torch.cuda.is_available():
+    and a Triton with the grid-dependency intrinsics. Called at every launch: cached per device."""
+    if not ENABLED:
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0) \
-        and _triton_has_gdc()
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    if device.type != "cuda":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _supported(index: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(index) >= (9, 0) and _triton_has_gdc()
 
 
 @lru_cache(maxsize=None)
