@@ -45,16 +45,24 @@ KV_WRITE_IN_PIECE = True
 # 29.33, LOCKS 1M 10.86 / 10.87, dense 32K 6.79 / 6.79, LOCKS 32K 7.01 / 6.89 (one run each; that row's
 # run-to-run spread in session 11 was 7.03-7.08).
 DYNAMIC_CACHE_ROWS = True
-# torch.compile mode of the two pieces: None (default) or "max-autotune-no-cudagraphs", which lets
-# Inductor time Triton templates against cuBLAS for each weight product (the step's own CUDA graph
-# stays ours). Untimed so far (select_ab.py --modes ...,max_autotune).
-COMPILE_MODE = None
+# torch.compile mode of the two pieces on a GPU (on the CPU they compile in the default mode):
+# "max-autotune-no-cudagraphs" lets Inductor time its Triton GEMM templates against cuBLAS for each
+# weight product at its exact batch (the step's own CUDA graph stays ours), None keeps cuBLAS. Its
+# first compile takes longer (each product's candidates are timed once, outside the decode's timing).
+# Max-autotune since session 19 (H200, GLM-4-9B, batch 1, PDL on, select_ab.py --modes
+# defaults19,max_autotune, ms None -> max-autotune): LOCKS 32K 6.572 / 6.566 -> 6.405 / 6.396, dense 32K
+# 6.769 / 6.701 -> 6.385 / 6.378; LOCKS 1M 10.880 -> 10.664, dense 1M 25.253 -> 25.193
+# (docs/results/gpu_session19/call3). cuBLAS streams these products' weights at 69-93% of a copy
+# kernel's rate (gemv_probe.py, call2).
+COMPILE_MODE = "max-autotune-no-cudagraphs"
 # Inductor's own programmatic dependent launch for the compiled pieces' Triton kernels
 # (``torch._inductor.config.triton.enable_pdl``, where this torch has it), applied while the step
 # runs (the pieces compile at its first call), together with kvlocks.pdl for the attention's kernels:
 # each compiled kernel waits before reading what the kernel ahead wrote and lets the next launch early.
-# Prepared, off: untimed (scripts/device/select_ab.py --modes defaults11,inductor_pdl).
-INDUCTOR_PDL = False
+# On since session 19 (H200, GLM-4-9B, batch 1, with cuda_mma.SCORE_PDL; select_ab.py --modes
+# defaults11,inductor_pdl, ms off -> on): LOCKS 32K 6.536 / 6.540 -> 6.500 / 6.509, dense 32K 6.806 /
+# 6.732 -> 6.687 / 6.682; LOCKS 1M 10.867 -> 10.760, dense 1M 24.906 -> 24.785 (docs/results/gpu_session19).
+INDUCTOR_PDL = True
 
 
 class DecodeStep:
@@ -74,8 +82,9 @@ class DecodeStep:
         self.parts, self.cache, self.backend, self.compiled = parts, cache, backend, compile
         self._write_in_piece = KV_WRITE_IN_PIECE
         piece = project_and_write if self._write_in_piece else project_qkv
-        self._qkv = torch.compile(piece, dynamic=False, mode=COMPILE_MODE) if compile else piece
-        self._finish = torch.compile(finish_layer, dynamic=False, mode=COMPILE_MODE) if compile else finish_layer
+        mode = COMPILE_MODE if cache.k.device.type == "cuda" else None
+        self._qkv = torch.compile(piece, dynamic=False, mode=mode) if compile else piece
+        self._finish = torch.compile(finish_layer, dynamic=False, mode=mode) if compile else finish_layer
         self._fused = [fused_qkv(layer.self_attn)[:2] for layer in parts.layers] if FUSE_QKV else None
         dev = cache.k.device
         self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)  # [B] next input token

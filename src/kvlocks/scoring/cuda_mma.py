@@ -55,9 +55,11 @@ MIN_BLOCKS = 1
 GROUP_SPLIT = False
 # Launched with programmatic dependent launch (kvlocks.pdl) where that is on: the kernel may then start
 # before the one ahead of it (the compiled projection piece, the incremental build) has finished, and
-# waits for it first (with or without this, it lets the fused selection launch early). Prepared, off:
-# untimed; scripts/device/select_ab.py --modes defaults11,score_pdl,inductor_pdl times it.
-SCORE_PDL = False
+# waits for it first (with or without this, it lets the fused selection launch early). On since
+# session 19 with step.INDUCTOR_PDL (H200, GLM-4-9B, batch 1, select_ab.py --modes
+# defaults11,score_pdl,inductor_pdl twice, LOCKS ms: 32K 6.536 / 6.540 -> 6.519 / 6.536 alone, within
+# the run-to-run spread, and -> 6.500 / 6.509 with Inductor's PDL; docs/results/gpu_session19).
+SCORE_PDL = True
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
