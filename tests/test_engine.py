@@ -247,6 +247,24 @@ def test_compiled_step_equals_eager_and_compiles_once_for_all_layers(fuse, write
     assert torch.allclose(out[False][1], out[True][1], rtol=1e-4, atol=1e-4 * float(out[False][1].abs().max()))
 
 
+def test_compile_mode_is_max_autotune_on_a_gpu_at_batch_one_only(monkeypatch):
+    """The pieces' torch.compile mode: max-autotune (step.COMPILE_MODE) on a GPU up to
+    COMPILE_MODE_MAX_BATCH sequences (measured faster at batch 1, slower at 2-4), the default mode
+    above it and on the CPU (where Inductor would time C++ GEMM templates instead); a CPU engine's
+    compiled step records the default."""
+    from kvlocks.engine import step as step_mod
+
+    assert step_mod.COMPILE_MODE == "max-autotune-no-cudagraphs" and step_mod.COMPILE_MODE_MAX_BATCH == 1
+    assert step_mod.compile_mode("cuda", 1) == "max-autotune-no-cudagraphs"
+    assert step_mod.compile_mode("cuda", 2) is None and step_mod.compile_mode("cuda", 4) is None
+    assert step_mod.compile_mode("cpu", 1) is None
+    monkeypatch.setattr(step_mod, "COMPILE_MODE_MAX_BATCH", 4)
+    assert step_mod.compile_mode("cuda", 4) == "max-autotune-no-cudagraphs" and step_mod.compile_mode("cuda", 5) is None
+    model = _tiny("glm4-9b-1m", seed=4, num_hidden_layers=1)
+    eng = DecodeEngine(model, EngineConfig(method="dense", max_context=64, backend="torch", compile=True))
+    assert eng.step.compile_mode is None
+
+
 def test_compiled_step_compiles_once_across_cache_sizes(monkeypatch):
     """With the K/V writes inside the compiled projection piece the caches are its inputs; engines
     with ten different cache sizes (more than Dynamo's recompile limit of 8, past which a piece runs

@@ -612,41 +612,6 @@ def test_programmatic_dependent_launch_switch_from_the_environment(value, expect
     assert pdl._from_env() is True
 
 
-@pytest.mark.parametrize("bsz,n,k,bias,block_n,block_k", [
-    (1, 16, 32, False, 16, 16), (3, 50, 100, True, 16, 32), (16, 70, 64, False, 32, 64), (2, 33, 48, True, 64, 16)])
-def test_gemv_matches_linear(bsz, n, k, bias, block_n, block_k):
-    """The small-batch weight product (kvlocks.engine.gemv) against torch's linear: ragged N and K
-    (masked tiles), with and without bias, 1 to 16 rows; float32 on the CPU, bf16 on a GPU."""
-    from kvlocks.engine.gemv import gemv
-
-    dt = BF16 if CUDA else F32
-    gen = torch.Generator().manual_seed(n + k)
-    x = torch.randn(bsz, k, generator=gen).to(DEV, dt)
-    w = torch.randn(n, k, generator=gen).to(DEV, dt)
-    b = torch.randn(n, generator=gen).to(DEV, dt) if bias else None
-    got = gemv(x, w, b, block_n=block_n, block_k=block_k)
-    exp = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.dtype == dt and got.shape == (bsz, n)
-    tol = 1e-4 if dt == F32 else 2e-2
-    assert torch.allclose(got.float(), exp, rtol=tol, atol=tol * float(exp.abs().max()))
-
-
-def test_gemv_rejects_bad_arguments():
-    from kvlocks.engine.gemv import gemv
-
-    x, w = torch.zeros(2, 32, device=DEV), torch.zeros(16, 32, device=DEV)
-    with pytest.raises(ValueError, match="x \\[B, K\\] and weight"):
-        gemv(x, torch.zeros(16, 31, device=DEV))
-    with pytest.raises(ValueError, match="allowed 1 to 16"):
-        gemv(torch.zeros(17, 32, device=DEV), w)
-    with pytest.raises(ValueError, match="bias must be contiguous"):
-        gemv(x, w, torch.zeros(15, device=DEV))
-    with pytest.raises(ValueError, match="must match"):
-        gemv(x.double(), w)
-    with pytest.raises(ValueError, match="powers of two"):
-        gemv(x, w, block_n=8)
-
-
 def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monkeypatch):
     """kvlocks.attention.tune: every candidate launch (pages per step, warps, stages, split count)
     computes the reference dense attention; the tuner returns the launch its timer says is fastest,

@@ -53,3 +53,19 @@ def test_exclude_of_a_missing_case_or_a_malformed_spec_is_an_error(tmp_path, spe
     proc, m = _merge(tmp_path, "--exclude", spec, old)
     assert proc.returncode != 0 and m is None
     assert "--exclude" in proc.stderr
+
+
+def test_exclude_of_one_run_keeps_the_same_case_from_another(tmp_path):
+    """``@RUN`` scopes an exclusion to one run: the newer run's batch-4 rows go to errors, the older
+    run's rows of the same case fill the table (with --dedupe they would otherwise be dropped)."""
+    new = _run(tmp_path, "new", [_row("a", 256, 1, "dense", 1.0), _row("a", 256, 4, "dense", 4.0)], 1.0)
+    old = _run(tmp_path, "old", [_row("a", 256, 1, "dense", 9.0), _row("a", 256, 4, "dense", 5.0)], 1.0)
+    run_new = f"{tmp_path.name}/new"
+    proc, m = _merge(tmp_path, "--dedupe", "--exclude", f"a:256:4@{run_new}=other settings", new, old)
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["batch"], r["tpot_ms"], r["run"]) for r in m["rows"]] == [
+        (1, 1.0, run_new), (4, 5.0, f"{tmp_path.name}/old")]
+    excluded = [e for e in m["errors"] if e["error"].startswith("excluded")]
+    assert [(e["batch"], e["tpot_ms"], e["run"]) for e in excluded] == [(4, 4.0, run_new)]
+    proc, m = _merge(tmp_path, "--exclude", "a:256:4@no/such=reason", new, old)
+    assert proc.returncode != 0 and "--exclude" in proc.stderr

@@ -80,7 +80,6 @@ def main() -> None:
         assert "ld.global.cg" in ptx  # the merge reads other programs' winners past L1
     build_kernels()
     attention_kernels()
-    gemv_kernel()
     import triton
 
     print("triton", triton.__version__)
@@ -162,16 +161,6 @@ def attention_kernels() -> None:
                      **({"launch_pdl": True} if pdl else {}))
         assert ".target sm_90" in k.asm["ptx"]
         _check_pdl(k.asm["ptx"], pdl)
-
-
-def gemv_kernel() -> None:
-    """The small-batch weight product (kvlocks.engine.gemv): bf16 weights on the tensor cores."""
-    from kvlocks.engine import gemv
-
-    args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "B": "i32", "N": "i32",
-            "K": "i32", "stride_x": "i32", "stride_w": "i32", "stride_y": "i32"}
-    k = _compile(gemv._gemv_kernel, args, dict(HAS_BIAS=True, BLOCK_N=16, BLOCK_K=256), 4, num_stages=4)
-    assert ".target sm_90" in k.asm["ptx"] and ("mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"])
 
 
 ROOT = Path(__file__).resolve().parents[1]

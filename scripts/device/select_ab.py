@@ -37,6 +37,7 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", True),
             "REBASE_KEYS": ("kvlocks.selection.triton", True),
             "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", "max-autotune-no-cudagraphs"),
+            "COMPILE_MODE_MAX_BATCH": ("kvlocks.engine.step", 1),
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
             "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False), "ENABLED": ("kvlocks.pdl", True),
             "SCORE_PDL": ("kvlocks.scoring.cuda_mma", True), "INDUCTOR_PDL": ("kvlocks.engine.step", True)}
@@ -51,7 +52,7 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "rebase_keys": {**SESSION10, "REBASE_KEYS": True}, "kv_write": {**SESSION10, "KV_WRITE_IN_PIECE": True},
          "merge_in_kernel": {"MERGE_IN_KERNEL": True},
          "prepared10": {"MERGE_IN_KERNEL": True},
-         "max_autotune": {}, "default_compile": {"COMPILE_MODE": None},
+         "max_autotune": {}, "max_autotune_all": {"COMPILE_MODE_MAX_BATCH": 1 << 20}, "default_compile": {"COMPILE_MODE": None},
          "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}, "pdl": {"ENABLED": True}, "no_pdl": {"ENABLED": False},
          "score_pdl": {"INDUCTOR_PDL": False}, "inductor_pdl": {},
          "session18": {"SCORE_PDL": False, "INDUCTOR_PDL": False, "COMPILE_MODE": None}, "defaults19": {"COMPILE_MODE": None}, "defaults19b": {}}

@@ -52,9 +52,14 @@ DYNAMIC_CACHE_ROWS = True
 # Max-autotune since session 19 (H200, GLM-4-9B, batch 1, PDL on, select_ab.py --modes
 # defaults19,max_autotune, ms None -> max-autotune): LOCKS 32K 6.572 / 6.566 -> 6.405 / 6.396, dense 32K
 # 6.769 / 6.701 -> 6.385 / 6.378; LOCKS 1M 10.880 -> 10.664, dense 1M 25.253 -> 25.193
-# (docs/results/gpu_session19/call3). cuBLAS streams these products' weights at 69-93% of a copy
-# kernel's rate (gemv_probe.py, call2).
+# (docs/results/gpu_session19/call3). cuBLAS streams these products' weights at 2.4-4.4 TB/s (the
+# 4096 x 4096 o_proj slowest); a hand-written Triton small-batch product beat it by 0.38 ms per
+# GLM-4-9B step at batch 1 alone (session 19, call2; removed once Inductor's own templates were in).
+# At batch 2-4 the same mode was slower for both methods (GLM-4-9B 256K, call4 against session 18's
+# default-mode rows, ms: dense 15.58 / 20.18 / 24.77 -> 16.26 / 20.99 / 26.09, LOCKS 8.53 / 9.44 / 10.63
+# -> 9.44 / 10.15 / 11.51; not yet A/B'd on one machine), so it applies up to this batch only.
 COMPILE_MODE = "max-autotune-no-cudagraphs"
+COMPILE_MODE_MAX_BATCH = 1
 # Inductor's own programmatic dependent launch for the compiled pieces' Triton kernels
 # (``torch._inductor.config.triton.enable_pdl``, where this torch has it), applied while the step
 # runs (the pieces compile at its first call), together with kvlocks.pdl for the attention's kernels:
@@ -63,6 +68,12 @@ COMPILE_MODE = "max-autotune-no-cudagraphs"
 # defaults11,inductor_pdl, ms off -> on): LOCKS 32K 6.536 / 6.540 -> 6.500 / 6.509, dense 32K 6.806 /
 # 6.732 -> 6.687 / 6.682; LOCKS 1M 10.867 -> 10.760, dense 1M 24.906 -> 24.785 (docs/results/gpu_session19).
 INDUCTOR_PDL = True
+
+
+def compile_mode(device_type: str, batch: int) -> str | None:
+    """torch.compile mode of the step's pieces: COMPILE_MODE on a GPU up to COMPILE_MODE_MAX_BATCH
+    sequences, else the default (None)."""
+    return COMPILE_MODE if device_type == "cuda" and batch <= COMPILE_MODE_MAX_BATCH else None
 
 
 class DecodeStep:
@@ -82,7 +93,8 @@ class DecodeStep:
         self.parts, self.cache, self.backend, self.compiled = parts, cache, backend, compile
         self._write_in_piece = KV_WRITE_IN_PIECE
         piece = project_and_write if self._write_in_piece else project_qkv
-        mode = COMPILE_MODE if cache.k.device.type == "cuda" else None
+        self.compile_mode = compile_mode(cache.k.device.type, cache.batch) if compile else None
+        mode = self.compile_mode
         self._qkv = torch.compile(piece, dynamic=False, mode=mode) if compile else piece
         self._finish = torch.compile(finish_layer, dynamic=False, mode=mode) if compile else finish_layer
         self._fused = [fused_qkv(layer.self_attn)[:2] for layer in parts.layers] if FUSE_QKV else None
