@@ -450,7 +450,12 @@ def test_bench_e2e_rows_on_cpu(tmp_path):
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["rows"] == summary["rows"] and summary["errors"] == []
     assert {"config", "device", "versions", "copy_gbps", "rows", "errors"} <= set(summary)
+    # how the kernels were launched, so rows made under other settings cannot pass for these: no PDL
+    # and the default compile mode on the CPU
+    assert summary["launch"] == {"pdl": False, "score_pdl": False, "inductor_pdl": False,
+                                 "compile_mode": "max-autotune-no-cudagraphs", "compile_mode_max_batch": 1}
     rows = summary["rows"]
+    assert all(r["compiled"] and r["compile_mode"] is None for r in rows)
     assert [(r["context"], r["batch"], r["method"]) for r in rows] == [
         (64, 1, "dense"), (64, 1, "locks"), (128, 1, "dense"), (128, 1, "locks"), (64, 2, "dense"), (64, 2, "locks")]
     for r in rows:

@@ -47,8 +47,8 @@ from kvlocks.engine.step import DecodeStep
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ROW_KEYS = ("model", "context", "batch", "method", "budget", "kernel", "tpot_ms", "tpot_mean_ms", "tpot_max_ms",
-            "ttft_ms", "ttft_note",
+ROW_KEYS = ("model", "context", "batch", "method", "budget", "kernel", "compile_mode", "tpot_ms", "tpot_mean_ms",
+            "tpot_max_ms", "ttft_ms", "ttft_note",
             "build_ms", "build_exposed_ms", "ready_ms", "bytes_per_step", "weight_bytes", "kv_bytes", "summary_bytes", "floor_ms",
             "tpot_over_floor", "speedup_vs_dense", "gpu_mem_gb", "gpu_peak_gb", "fill", "steps")
 
@@ -279,7 +279,8 @@ class _Case:
         times = _time_steps(runner, dev, cfg.steps, cfg.warmup)
         tpot = statistics.median(times)
         tuned = step.attn.tuned  # both attention classes: None until tune() ran on CUDA
-        row = {"method": method, "kernel": step.attn.kernel, "compiled": cfg.compile, "tpot_ms": tpot,
+        row = {"method": method, "kernel": step.attn.kernel, "compiled": cfg.compile,
+               "compile_mode": step.compile_mode, "tpot_ms": tpot,
                "attention_launch_us": tuned.times_us if tuned else None,
                "tpot_mean_ms": statistics.fmean(times), "tpot_max_ms": max(times), "steps": cfg.steps,
                "tpot_p10_ms": _quantile(times, 0.1), "tpot_p90_ms": _quantile(times, 0.9),
@@ -354,7 +355,8 @@ class E2EBench:
                          "cuda": torch.version.cuda},
             "commit": os.environ.get("KVLOCKS_COMMIT"), "backend": self.backend, "cuda_graph": self.use_graph,
             "dense_kernel": DENSE_KERNEL if self.backend == "triton" else DENSE_REFERENCE,
-            "dynamo": _dynamo_settings(), "copy_gbps": self.copy_gbps, "rows": self.rows, "errors": self.errors,
+            "dynamo": _dynamo_settings(), "launch": _launch_settings(self.device),
+            "copy_gbps": self.copy_gbps, "rows": self.rows, "errors": self.errors,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
@@ -422,6 +424,23 @@ def _device_name(device) -> str:
 # its rows would be slow for a reason the table does not show (session 11: two rows 7-20% slow).
 # The bench raises the limit and makes reaching it an error of that case instead.
 RECOMPILE_LIMIT = 64
+
+
+def _launch_settings(device: torch.device) -> dict:
+    """How the step's kernels were launched: programmatic dependent launch for kvlocks's kernels
+    (kvlocks.pdl, where the device supports it), for the CUDA score kernel's own launch
+    (cuda_mma.SCORE_PDL) and for the compiled pieces (step.INDUCTOR_PDL, where this torch has it), and
+    the compile mode's batch limit (each row's ``compile_mode`` says which mode it ran)."""
+    import torch._inductor.config as ic
+
+    from kvlocks import pdl
+    from kvlocks.engine import step
+    from kvlocks.scoring import cuda_mma
+
+    on = pdl.enabled(device)
+    return {"pdl": on, "score_pdl": on and cuda_mma.SCORE_PDL,
+            "inductor_pdl": step.INDUCTOR_PDL and hasattr(ic.triton, "enable_pdl") and device.type == "cuda",
+            "compile_mode": step.COMPILE_MODE, "compile_mode_max_batch": step.COMPILE_MODE_MAX_BATCH}
 
 
 def _dynamo_settings() -> dict:
