@@ -30,13 +30,17 @@ from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 # 5-bit digits since session 9; steps that fill no page without the incremental-build launches
 # since session 10; fused q/k/v, rebased radix keys and the K/V writes in the projection piece
 # since session 11 ("defaults11" = the defaults; "skip_idle_builds" = session 10's defaults;
-# "fused_regs_bits5" = session 9's).
+# "fused_regs_bits5" = session 9's). Session 18: PDL for the attention kernels ("session18" = its
+# defaults); session 19: PDL for the score kernel and the compiled pieces, then max-autotune at batch 1
+# ("defaults19" = PDL everywhere in the default compile mode, as first timed; "defaults19b",
+# "defaults11" and "max_autotune" = the defaults now; "max_autotune_all" at every batch).
 SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.selection.triton", True),
             "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
             "SKIP_IDLE_BUILDS": ("kvlocks.engine.graph", True), "FUSE_QKV": ("kvlocks.engine.step", True),
             "REBASE_KEYS": ("kvlocks.selection.triton", True),
-            "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True), "COMPILE_MODE": ("kvlocks.engine.step", "max-autotune-no-cudagraphs"),
+            "KV_WRITE_IN_PIECE": ("kvlocks.engine.step", True),
+            "COMPILE_MODE": ("kvlocks.engine.step", "max-autotune-no-cudagraphs"),
             "COMPILE_MODE_MAX_BATCH": ("kvlocks.engine.step", 1),
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
             "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False), "ENABLED": ("kvlocks.pdl", True),
@@ -52,10 +56,12 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "rebase_keys": {**SESSION10, "REBASE_KEYS": True}, "kv_write": {**SESSION10, "KV_WRITE_IN_PIECE": True},
          "merge_in_kernel": {"MERGE_IN_KERNEL": True},
          "prepared10": {"MERGE_IN_KERNEL": True},
-         "max_autotune": {}, "max_autotune_all": {"COMPILE_MODE_MAX_BATCH": 1 << 20}, "default_compile": {"COMPILE_MODE": None},
+         "max_autotune": {}, "max_autotune_all": {"COMPILE_MODE_MAX_BATCH": 1 << 20},
+         "default_compile": {"COMPILE_MODE": None},
          "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}, "pdl": {"ENABLED": True}, "no_pdl": {"ENABLED": False},
          "score_pdl": {"INDUCTOR_PDL": False}, "inductor_pdl": {},
-         "session18": {"SCORE_PDL": False, "INDUCTOR_PDL": False, "COMPILE_MODE": None}, "defaults19": {"COMPILE_MODE": None}, "defaults19b": {}}
+         "session18": {"SCORE_PDL": False, "INDUCTOR_PDL": False, "COMPILE_MODE": None},
+         "defaults19": {"COMPILE_MODE": None}, "defaults19b": {}}
 
 
 def apply(mode: str) -> None:
