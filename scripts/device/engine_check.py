@@ -19,7 +19,8 @@ Checks, on the bundled model in fp32, at each prompt length (default about 2K an
    (float32 Jacobi) and the reference (float64 eigh) may round a summary differently, which can
    flip a near-tied page.
 
-Prints one PASS/FAIL line per check and an overall verdict (exit status 1 on FAIL), then runs
+With ``--compile`` checks 1 and 2 on the GPU also run with the step's pieces compiled (as ``bench e2e``
+runs them). Prints one PASS/FAIL line per check and an overall verdict (exit status 1 on FAIL), then runs
 ``kvlocks bench e2e`` on a small grid (``--bench-*`` options; ``--no-bench`` skips it).
 """
 
@@ -72,9 +73,9 @@ def hf_tokens(model, ids, n, cache=None):
     return out[0, ids.shape[1]:].cpu()
 
 
-def engine_tokens(model, ids, n, *, method, budget, backend=None, graph=None):
+def engine_tokens(model, ids, n, *, method, budget, backend=None, graph=None, compile=False):
     cfg = EngineConfig(method=method, locks=LocksConfig(budget=budget), max_context=ids.shape[1] + n + 16,
-                       backend=backend, cuda_graph=graph)
+                       backend=backend, cuda_graph=graph, compile=compile)
     eng = DecodeEngine(model, cfg)
     return eng.generate(ids.to(model.device), max_new_tokens=n)[0], eng.use_graph
 
@@ -105,15 +106,18 @@ def run_checks(args) -> bool:
         ref = hf_tokens(model_cpu, ids, n)
         print(f"    CPU reference (HF generate, DynamicCache) in {time.perf_counter() - t0:.1f} s: "
               f"{tok.decode(ref)!r}", flush=True)
+        compiles = (False, True) if args.compile else (False,)
         for method in ("locks", "dense"):
-            got, graphed = engine_tokens(model, ids, n, method=method, budget=big)
-            compare(f"engine {method} (cuda graph={graphed}) budget {big} >= context == CPU reference [{t}]",
-                    got, ref, results)
+            for comp in compiles:
+                got, graphed = engine_tokens(model, ids, n, method=method, budget=big, compile=comp)
+                compare(f"engine {method} (cuda graph={graphed}, compiled={comp}) budget {big} >= context "
+                        f"== CPU reference [{t}]", got, ref, results)
         lc = LocksConfig(budget=256)
         hf_tri = hf_tokens(model, ids, n, LocksCache(model.config, method="locks", config=lc))
-        got, graphed = engine_tokens(model, ids, n, method="locks", budget=256)
-        compare(f"engine locks (cuda graph={graphed}) budget 256 == HF LocksCache on GPU (kernels) [{t}]",
-                got, hf_tri, results)
+        for comp in compiles[::-1]:  # the eager-pieces engine last: its tokens are compared below
+            got, graphed = engine_tokens(model, ids, n, method="locks", budget=256, compile=comp)
+            compare(f"engine locks (cuda graph={graphed}, compiled={comp}) budget 256 == HF LocksCache on GPU "
+                    f"(kernels) [{t}]", got, hf_tri, results)
         t0 = time.perf_counter()
         hf_ref = hf_tokens(model_cpu, ids, n, LocksCache(model_cpu.config, method="locks", config=lc))
         got_ref, _ = engine_tokens(model_cpu, ids, n, method="locks", budget=256)
@@ -143,6 +147,8 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8000], help="prompt tokens (<= 8K)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--compile", action="store_true", help="also check the engine with compiled pieces (as the "
+                   "bench runs it: on a GPU at batch 1 in Inductor's max-autotune mode)")
     p.add_argument("--bench-models", default="glm4-9b-1m")
     p.add_argument("--bench-contexts", type=int, nargs="+", default=[16384, 65536])
     p.add_argument("--bench-steps", type=int, default=16)
