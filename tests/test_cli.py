@@ -68,6 +68,9 @@ def test_generate_with_the_engine_equals_the_hf_path(capsys):
     assert main(["generate", "--engine", "auto", "--auto-min-context", "100000", *args]) == 0
     auto = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert auto["method"] == "dense" and auto["text"] == hf["text"]
+    assert main(["generate", "--engine", "dense", "--compile", *args]) == 0  # compiled pieces: the same text
+    comp = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert comp["compiled"] and not eng["compiled"] and comp["text"] == hf["text"]
 
 
 def test_generate_engine_rejects_options_it_does_not_take(capsys):
@@ -77,3 +80,5 @@ def test_generate_engine_rejects_options_it_does_not_take(capsys):
     assert "--method" in capsys.readouterr().err
     assert main(["generate", "--auto-min-context", "5", "--prompt", "x"]) == 2
     assert "--engine auto" in capsys.readouterr().err
+    assert main(["generate", "--compile", "--prompt", "x"]) == 2
+    assert "--compile applies to --engine only" in capsys.readouterr().err

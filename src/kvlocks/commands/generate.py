@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
                         "locks, dense, or auto: LOCKS from --auto-min-context prompt tokens, dense below)")
     p.add_argument("--auto-min-context", type=int, default=None, help="with --engine auto (default: from the model's shape, the "
                    "length at which one sequence's K/V per layer reaches 80 MB, the H200 crossover)")
+    p.add_argument("--compile", action="store_true", help="with --engine: compile the decode step's per-layer "
+                   "pieces with torch.compile (slower first step; on a GPU at batch 1 in max-autotune mode)")
     p.add_argument("--budget", type=int, default=256, help="tokens attended per layer and KV head")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--basis-bits", type=int, default=4)
@@ -56,6 +58,8 @@ def run(args) -> int:
             raise ValueError(f"--engine decodes greedily with its own method: drop {', '.join(conflicts)}")
     elif args.auto_min_context is not None:
         raise ValueError("--auto-min-context applies to --engine auto only")
+    elif args.compile:
+        raise ValueError("--compile applies to --engine only (the Hugging Face path is not compiled)")
     args.method = args.method or "locks"
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     if not prompt.strip():
@@ -105,12 +109,13 @@ def _run_engine(args, model, tok, ids, config) -> int:
 
     extra = {} if args.auto_min_context is None else {"auto_min_context": args.auto_min_context}
     eng = DecodeEngine(model, EngineConfig(method=args.engine, locks=config, max_context=ids.shape[1] + args.max_new_tokens,
-                                           **extra))
+                                           compile=args.compile, **extra))
     t0 = time.perf_counter()
     out = eng.generate(ids, max_new_tokens=args.max_new_tokens)
     seconds = time.perf_counter() - t0
     text = tok.decode(out[0], skip_special_tokens=True)
     info = {"engine": args.engine, "method": eng.method, "backend": eng.backend, "cuda_graph": eng.use_graph,
+            "compiled": args.compile,
             "prompt_tokens": ids.shape[1], "new_tokens": args.max_new_tokens, "seconds": seconds}
     if args.json:
         print(json.dumps({**info, "config": json.loads(config.to_json()), "text": text}))
