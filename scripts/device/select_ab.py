@@ -33,7 +33,8 @@ from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 # "fused_regs_bits5" = session 9's). Session 18: PDL for the attention kernels ("session18" = its
 # defaults); session 19: PDL for the score kernel and the compiled pieces, then max-autotune at batch 1
 # ("defaults19" = PDL everywhere in the default compile mode, as first timed; "defaults19b",
-# "defaults11" and "max_autotune" = the defaults now; "max_autotune_all" at every batch).
+# "defaults11" and "max_autotune" = the defaults now; "max_autotune_all" at every batch;
+# "coord_descent": Inductor's coordinate-descent tuning of the pieces' pointwise and reduction kernels).
 SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.selection.triton", True),
             "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
@@ -44,7 +45,8 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "COMPILE_MODE_MAX_BATCH": ("kvlocks.engine.step", 1),
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
             "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False), "ENABLED": ("kvlocks.pdl", True),
-            "SCORE_PDL": ("kvlocks.scoring.cuda_mma", True), "INDUCTOR_PDL": ("kvlocks.engine.step", True)}
+            "SCORE_PDL": ("kvlocks.scoring.cuda_mma", True), "INDUCTOR_PDL": ("kvlocks.engine.step", True),
+            "coordinate_descent_tuning": ("torch._inductor.config", False)}
 SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
 OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
@@ -61,7 +63,8 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "static_cache_rows": {"DYNAMIC_CACHE_ROWS": False}, "pdl": {"ENABLED": True}, "no_pdl": {"ENABLED": False},
          "score_pdl": {"INDUCTOR_PDL": False}, "inductor_pdl": {},
          "session18": {"SCORE_PDL": False, "INDUCTOR_PDL": False, "COMPILE_MODE": None},
-         "defaults19": {"COMPILE_MODE": None}, "defaults19b": {}}
+         "defaults19": {"COMPILE_MODE": None}, "defaults19b": {},
+         "coord_descent": {"coordinate_descent_tuning": True}}
 
 
 def apply(mode: str) -> None:
