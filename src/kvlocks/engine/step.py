@@ -94,9 +94,8 @@ class DecodeStep:
         self._write_in_piece = KV_WRITE_IN_PIECE
         piece = project_and_write if self._write_in_piece else project_qkv
         self.compile_mode = compile_mode(cache.k.device.type, cache.batch) if compile else None
-        mode = self.compile_mode
-        self._qkv = torch.compile(piece, dynamic=False, mode=mode) if compile else piece
-        self._finish = torch.compile(finish_layer, dynamic=False, mode=mode) if compile else finish_layer
+        self._qkv = torch.compile(piece, dynamic=False, mode=self.compile_mode) if compile else piece
+        self._finish = torch.compile(finish_layer, dynamic=False, mode=self.compile_mode) if compile else finish_layer
         self._fused = [fused_qkv(layer.self_attn)[:2] for layer in parts.layers] if FUSE_QKV else None
         dev = cache.k.device
         self.tokens = torch.zeros(cache.batch, dtype=torch.long, device=dev)  # [B] next input token
