@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 
 
@@ -56,6 +56,10 @@ def e2e_table(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    kind, path = sys.argv[1], sys.argv[2]
-    data = json.load(open(path))
-    print({"kernels": kernels_table, "e2e": e2e_table}[kind](data))
+    tables = {"kernels": kernels_table, "e2e": e2e_table}
+    ap = argparse.ArgumentParser(description="Markdown table from a kvlocks bench result file")
+    ap.add_argument("kind", choices=sorted(tables), help="which benchmark wrote the file")
+    ap.add_argument("path", help="the result file (bench_kernels.json or bench_e2e.json)")
+    args = ap.parse_args()
+    with open(args.path) as f:
+        print(tables[args.kind](json.load(f)))
