@@ -350,8 +350,7 @@ def test_cuda_graph_replay_equals_eager_steps(skip_idle, pdl_on, monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_compiled_graph_step_with_inductor_pdl_equals_without(monkeypatch):
     """The compiled pieces with Inductor's programmatic dependent launch (step.INDUCTOR_PDL) and the
-    score kernel launched early (cuda_mma.SCORE_PDL; with SCORE_EARLY its first summary copies issued
-    before it waits, on steps that build nothing), beside kvlocks.pdl's attention kernels: the
+    score kernel launched early (cuda_mma.SCORE_PDL), beside kvlocks.pdl's attention kernels: the
     graph-replayed bf16 engine's tokens equal those of the same engine with none of the three, dense
     and LOCKS."""
     from kvlocks import pdl
@@ -366,7 +365,6 @@ def test_compiled_graph_step_with_inductor_pdl_equals_without(monkeypatch):
         for on in (False, True):
             monkeypatch.setattr(step_mod, "INDUCTOR_PDL", on)
             monkeypatch.setattr(cuda_mma, "SCORE_PDL", on)
-            monkeypatch.setattr(cuda_mma, "SCORE_EARLY", on)
             monkeypatch.setattr(pdl, "ENABLED", on)
             torch._dynamo.reset()
             eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=64), batch=2,

@@ -547,18 +547,16 @@ def test_decode_step_is_graph_capturable():
 
 
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
-@pytest.mark.parametrize("score_pdl,early", [(False, False), (True, False), (True, True)])
-def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, early, monkeypatch):
+@pytest.mark.parametrize("score_pdl", [False, True])
+def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, monkeypatch):
     """kvlocks.pdl on: the score kernel triggers its dependents (and with SCORE_PDL is launched early
-    itself; with SCORE_EARLY and a settled plan it issues its first summary copies before waiting for
-    the kernel that writes its queries), the fused selection, the attention and its merge are launched
-    early and wait; eager and graph-replayed steps give bit-for-bit the pages, outputs and LSEs of the
-    same step without PDL, and so does the dense split-KV path."""
+    itself), the fused selection, the attention and its merge are launched early and wait; eager and
+    graph-replayed steps give bit-for-bit the pages, outputs and LSEs of the same step without PDL,
+    and so does the dense split-KV path."""
     from kvlocks import pdl
     from kvlocks.scoring import cuda_mma
 
     monkeypatch.setattr(cuda_mma, "SCORE_PDL", score_pdl)
-    monkeypatch.setattr(cuda_mma, "SCORE_EARLY", early)
 
     cfg = LocksConfig(budget=2048)
     q, k, v, table, seq = make_paged([100_000, 40_000], 4, 4, 128, BF16, seed=5)
@@ -567,14 +565,8 @@ def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, 
               dtype=q.dtype, device=DEV)
     dense_pages = attn_tri.identity_pages(2, 4, table.shape[1], DEV)
 
-    qbuf = torch.empty_like(q)
-
-    def run(plan):  # the queries written by the kernel right before the score kernel, as in a decode step
-        torch.mul(q, 1.0, out=qbuf)
-        return plan.run(qbuf, k, v, store, table, seq, settled=early)
-
     def step(plan):
-        out, lse = run(plan)
+        out, lse = plan.run(q, k, v, store, table, seq)
         d_out, d_lse = paged_decode(q, k, v, table, seq, dense_pages, backend="triton")
         return [t.clone() for t in (plan.pages, out, lse, d_out, d_lse)]
 
@@ -586,7 +578,7 @@ def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, 
     eager = step(plan)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [run(plan)]
+        outs = [plan.run(q, k, v, store, table, seq)]
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

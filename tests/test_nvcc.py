@@ -91,33 +91,3 @@ def test_score_kernel_chains_variant_compiles_and_bad_values_are_refused(tmp_pat
     three.write_text("#define KVLOCKS_SCORE_CHAINS 3\n" + text)
     with pytest.raises(_nvcc.NvccUnavailable, match="KVLOCKS_SCORE_CHAINS: 2 or 4"):
         _nvcc.compile_library(three, "sm_90")
-
-
-@needs_nvcc
-def test_score_kernel_waits_after_its_first_copies_only_when_early(tmp_path):
-    """Programmatic dependent launch in the score kernel's PTX (sm_90), each variant: the wait and the
-    trigger once at the kernel's start (``!early``) and once after the first summary copies are issued
-    and committed, before any query is read (``early``, cuda_mma.SCORE_EARLY): the copies issued before
-    the second wait read only the summaries, never the queries the kernel ahead writes."""
-    import re
-    import subprocess
-
-    ptx = tmp_path / "score.ptx"
-    subprocess.run([NVCC, "-O3", "-arch=sm_90", "-ptx", str(cuda_mma.SOURCE), "-o", str(ptx)], check=True,
-                   capture_output=True)
-    bodies = re.split(r"\.visible \.entry|\.entry ", ptx.read_text())[1:]
-    assert len(bodies) >= 8  # 5 score_kernel, 1 six, 4 gsplit variants
-    for body in bodies:
-        waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait", body)]
-        assert len(waits) == 2, body[:80]
-        first_copy = body.index("cp.async.cg.shared.global")
-        commit = body.index("cp.async.commit_group")
-        assert waits[0] < first_copy < commit < waits[1]
-        # each wait followed by the trigger before any other instruction that touches memory
-        for w in waits:
-            assert body[w:].split("griddepcontrol.launch_dependents")[0].count(";") <= 2
-        # the queries (the kernel ahead's output) are read only after the second wait: the first
-        # global load that is not a copy into shared memory comes after it (the sequence length and the
-        # page ids of the first tile are read before, through the read-only path)
-        loads = [m.start() for m in re.finditer(r"ld\.global(?!\.nc)", body)]
-        assert loads and min(loads) > waits[1]

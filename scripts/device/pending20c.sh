@@ -5,6 +5,8 @@
 # written by the kernel right before), engine tokens with every PDL option on equal those with none;
 # 2) side by side with the defaults at 32K (twice) and 1M, both methods (a LOCKS-only change: the 32K
 # crossover is 0.5% short).
+# Ran in session 20 at d6cdcc2 (docs/results/gpu_session20/call1): no gain; SCORE_EARLY and the
+# select_ab.py mode score_early were removed after (kept as the record of the command).
 # Usage on the device (carry .device/wheels): bash scripts/device/pending20c.sh "$OUT"
 set -u
 out=${1:?output folder}

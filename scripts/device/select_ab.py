@@ -34,8 +34,7 @@ from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
 # defaults); session 19: PDL for the score kernel and the compiled pieces, then max-autotune at batch 1
 # ("defaults19" = PDL everywhere in the default compile mode, as first timed; "defaults19b",
 # "defaults11" and "max_autotune" = the defaults now; "max_autotune_all" at every batch;
-# "coord_descent": Inductor's coordinate-descent tuning of the pieces' pointwise and reduction kernels;
-# "score_early": the score kernel's first summary copies issued before it waits for the queries).
+# "coord_descent": Inductor's coordinate-descent tuning of the pieces' pointwise and reduction kernels).
 SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.selection.triton", True),
             "MERGE_IN_REGISTERS": ("kvlocks.selection.triton", True), "DIGIT_BITS": ("kvlocks.selection.triton", 5),
             "BALANCED": ("kvlocks.scoring.cuda_mma", False), "MIN_BLOCKS": ("kvlocks.scoring.cuda_mma", 1),
@@ -47,8 +46,7 @@ SETTINGS = {"FUSED_MIN_PAGES": ("kvlocks.dispatch", 0), "EARLY_EXIT": ("kvlocks.
             "DYNAMIC_CACHE_ROWS": ("kvlocks.engine.step", True),
             "MERGE_IN_KERNEL": ("kvlocks.attention.triton", False), "ENABLED": ("kvlocks.pdl", True),
             "SCORE_PDL": ("kvlocks.scoring.cuda_mma", True), "INDUCTOR_PDL": ("kvlocks.engine.step", True),
-            "coordinate_descent_tuning": ("torch._inductor.config", False),
-            "SCORE_EARLY": ("kvlocks.scoring.cuda_mma", False)}
+            "coordinate_descent_tuning": ("torch._inductor.config", False)}
 SESSION10 = {"FUSE_QKV": False, "REBASE_KEYS": False, "KV_WRITE_IN_PIECE": False}
 OLD_SELECT = {**SESSION10, "MERGE_IN_REGISTERS": False, "DIGIT_BITS": 4}
 MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_early": OLD_SELECT,
@@ -66,7 +64,7 @@ MODES = {"unfused": {"FUSED_MIN_PAGES": 1 << 40}, "fused": OLD_SELECT, "fused_ea
          "score_pdl": {"INDUCTOR_PDL": False}, "inductor_pdl": {},
          "session18": {"SCORE_PDL": False, "INDUCTOR_PDL": False, "COMPILE_MODE": None},
          "defaults19": {"COMPILE_MODE": None}, "defaults19b": {},
-         "coord_descent": {"coordinate_descent_tuning": True}, "score_early": {"SCORE_EARLY": True}}
+         "coord_descent": {"coordinate_descent_tuning": True}}
 
 
 def apply(mode: str) -> None:

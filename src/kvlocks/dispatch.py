@@ -174,14 +174,9 @@ class DecodePlan:
                 "attend": attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device),
             }
 
-    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, *, settled: bool = False):
-        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``.
-        ``settled``: ``summaries`` were last written before this decode step began (no incremental
-        build runs in it), so the CUDA score kernel may read them before the kernel ahead of it has
-        finished (:data:`kvlocks.scoring.cuda_mma.SCORE_EARLY`)."""
+    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
+        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
         c, be = self.config, self.backend
-        if "score" in self.ws:
-            self.ws["score"]["settled"] = bool(settled)
         if be == "triton" and self.fused:  # score kernel, then combine + selection fused in one launch
             from kvlocks.scoring.triton import score_pages_paged
             from kvlocks.selection.fused import rank_and_select

@@ -13,8 +13,8 @@ attention, merge) where each launch boundary costs a few microseconds at short c
 dependents right after their own wait, and the selection, attention and merge launches carry the
 attribute. Every kernel launched with it waits before reading anything, and triggers only after its
 own wait, so a kernel that starts early never reads what an earlier kernel has not finished writing.
-(The one exception, off by default: ``cuda_mma.SCORE_EARLY`` lets the score kernel read the sequence
-lengths, block table and summaries before its wait on steps where nothing in the step wrote them.)
+(Session 20 timed the score kernel reading its summaries before that wait on steps that build none:
+no gain, removed; commit d6cdcc2 has it.)
 The dense baseline's split-KV attention and merge are the same kernels and get the same launches.
 """
 

@@ -63,8 +63,7 @@ class LocksAttention:
         # the page this token filled gets its summary before scoring, as in the HF path
         if build:
             build_new_pages(c.k[layer], c.summaries[layer], c.block_table, seq_lens, c.config, backend=self.backend)
-        out, _ = self.plan.run(q, c.k[layer], c.v[layer], c.summaries[layer], c.block_table, seq_lens,
-                               settled=not build)
+        out, _ = self.plan.run(q, c.k[layer], c.v[layer], c.summaries[layer], c.block_table, seq_lens)
         return out
 
 

@@ -60,12 +60,6 @@ GROUP_SPLIT = False
 # defaults11,score_pdl,inductor_pdl twice, LOCKS ms: 32K 6.536 / 6.540 -> 6.519 / 6.536 alone, within
 # the run-to-run spread, and -> 6.500 / 6.509 with Inductor's PDL; docs/results/gpu_session19).
 SCORE_PDL = True
-# With SCORE_PDL, on steps where no summary was just built (the plan's caller says so: workspace
-# ``"settled"``), the kernel issues its first summary copies (after reading the sequence lengths and
-# block table) before it waits for the kernel ahead, which wrote only the queries: those loads overlap
-# that kernel's tail. Prepared in session 19, off: untimed (scripts/device/ab_32k_1m.sh OUT defaults19b
-# score_early).
-SCORE_EARLY = False
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
@@ -73,7 +67,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.kvlocks_score_mma.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp, vp, vp, vp, i64, vp, vp, vp,
                                       i32, i32, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32,
-                                      i32, i32, vp]
+                                      i32, vp]
     lib.kvlocks_score_mma.restype = i32
     lib.kvlocks_score_mma_blocks_per_sm.argtypes = [i32, i32, i32, i32, i32]
     lib.kvlocks_score_mma_blocks_per_sm.restype = i32
@@ -168,7 +162,7 @@ def score_pages_mma(queries: torch.Tensor, summaries: PagedSummaries, block_tabl
         ws["scores"].data_ptr(), ws["stats"].data_ptr(), bsz, hkv, g, ws["stats"].shape[-1], max_pages,
         ws["n_chunks"], ws["ppp"], int(balanced), scale * LOG2E, d, warps,
         variant_min_blocks(d, g, warps, ws.get("min_blocks")), int(SCORE_PDL and pdl_enabled(queries.device)),
-        int(SCORE_EARLY and bool(ws.get("settled"))), torch.cuda.current_stream(queries.device).cuda_stream)
+        torch.cuda.current_stream(queries.device).cuda_stream)
     if err:
         reason = "unsupported head_dim/group/warps" if err == -1 else _SOURCE.error(queries.device, err)
         raise RuntimeError(f"CUDA score kernel launch failed: {reason} (D={d}, G={g}, warps={warps})")

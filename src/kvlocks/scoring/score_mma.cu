@@ -187,7 +187,6 @@ struct Params {
   int hkv, g, gb, max_pages, n_chunks, ppp;
   int balanced;     // 1: chunk c scores tiles [c T / n_chunks, (c + 1) T / n_chunks) of its sequence's T tiles
   float qk_scale2;  // scale * log2(e)
-  int early;        // 1: the first copies are issued before waiting for the kernel ahead (see score_kernel)
 };
 
 // The per-warp state shared by the page-group steps: the query fragments and constants.
@@ -408,22 +407,6 @@ __device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const Centro
   }
 }
 
-// Programmatic dependent launch (kvlocks/pdl.py). Launched with the attribute (`pdl`, cuda_mma.SCORE_PDL),
-// this kernel may start before the kernel ahead of it has finished, so it first waits for that kernel's
-// completion; launched without it the wait returns at once. Then the kernel after this one (the fused
-// selection) may be scheduled as soon as every block of this one has got that far; it waits for this
-// kernel's completion before reading anything. Without a dependent launched that way this does nothing.
-// With `early` (cuda_mma.SCORE_EARLY, on steps where no summary was just built) the kernels call it after
-// their first summary copies are issued, not first thing: the sequence lengths, block table and
-// summaries they read before it were written steps or kernels earlier, and only the queries (and the
-// outputs' buffers, read by the previous layer's selection) wait for the kernel ahead.
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // The kernel body. CSLOTS: centroid slots per warp. One slot suffices (a tile's centroids are read
 // at its first group and the next tile's copied at its last group; a tile with one group has no next
 // tile in its program) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
@@ -472,7 +455,6 @@ __device__ __forceinline__ void score_body(const Params& p) {
     cp_async_commit();
     cen_scales(pid, sa, sb);
   }
-  if (p.early) allow_dependents();  // the queries come from the kernel ahead: wait for it from here on
 
   // queries of the group -> shared memory (float32), and their largest magnitude
   float amax = 0.f;
@@ -631,24 +613,36 @@ __device__ __forceinline__ void score_body(const Params& p) {
   }
 }
 
+// Programmatic dependent launch (kvlocks/pdl.py). Launched with the attribute (`pdl`, cuda_mma.SCORE_PDL),
+// this kernel may start before the kernel ahead of it has finished, so it first waits for that kernel's
+// completion; launched without it the wait returns at once. Then the kernel after this one (the fused
+// selection) may be scheduled as soon as every block of this one has got that far; it waits for this
+// kernel's completion before reading anything. Without a dependent launched that way this does nothing.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Resident blocks per SM: what the compiler's register allocation allows (92 registers on sm_90:
 // 5 blocks of 4 warps), or six asked for (at most 80 registers, one centroid slot: 24 warps per SM).
 template <int D, int NT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
-  if (!p.early) allow_dependents();
+  allow_dependents();
   score_body<D, NT, WARPS, 2>(p);
 }
 
 template <int D, int NT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 6) score_kernel_six(const Params p) {
-  if (!p.early) allow_dependents();
+  allow_dependents();
   score_body<D, NT, WARPS, 1>(p);
 }
 
 // One tile per program, its four groups over the four warps (launches with ppp = TILE).
 template <int D, int NT>
 __global__ void __launch_bounds__(128) score_kernel_gsplit(const Params p) {
-  if (!p.early) allow_dependents();
+  allow_dependents();
   score_body<D, NT, 4, 1, true>(p);
 }
 
@@ -685,7 +679,7 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
                       const void* censcale, const void* block_table, int64_t stride_bt, const void* seq_lens,
                       void* scores, void* stats, int batch, int hkv, int g, int gb, int max_pages, int n_chunks,
                       int ppp, int balanced, float qk_scale2, int head_dim, int warps, int min_blocks, int pdl,
-                      int early, void* stream) {
+                      void* stream) {
   Params p;
   p.q = q;
   p.stride_qb = stride_qb;
@@ -710,7 +704,6 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   p.ppp = ppp;
   p.balanced = balanced;
   p.qk_scale2 = qk_scale2;
-  p.early = pdl && early;  // without the attribute the kernel ahead has finished anyway
   // a static split of one tile per program: the tile's groups over the warps
   const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks, !balanced && ppp == TILE);
   if (k == nullptr) return -1;
