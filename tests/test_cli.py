@@ -56,6 +56,14 @@ def test_bench_options_build_configs():
         bench._kernels_config(args)
 
 
+def test_bench_names_a_bad_option_before_it_needs_a_gpu(capsys):
+    """The options are checked first, so a CPU machine (or a GPU one) reports the bad one by name."""
+    assert main(["bench", "e2e", "--out", "x", "--batches", "2,0"]) == 2
+    assert "E2EBenchConfig.batches=0" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--out", "x", "--shapes", "gpt2"]) == 2
+    assert "gpt2" in capsys.readouterr().err
+
+
 def test_generate_with_the_engine_equals_the_hf_path(capsys):
     """--engine dense gives the Hugging Face full-attention path's greedy text; --engine auto with a
     threshold above the prompt picks dense."""

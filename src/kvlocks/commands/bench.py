@@ -88,16 +88,17 @@ def _kernels_config(args):
 def run(args) -> int:
     import torch
 
+    cfg = _kernels_config(args) if args.what == "kernels" else _e2e_config(args)  # bad options named first
     if not torch.cuda.is_available():
         raise ValueError(f"kvlocks bench {args.what} needs a CUDA GPU; none is visible")
     if args.what == "kernels":
         from kvlocks.bench.kernels import run_kernels_bench
 
-        run_kernels_bench(args.out, _kernels_config(args))
+        run_kernels_bench(args.out, cfg)
     else:
         from kvlocks.bench.e2e import run_e2e_bench
 
-        summary = run_e2e_bench(args.out, _e2e_config(args), progress=lambda m: print(m, flush=True))
+        summary = run_e2e_bench(args.out, cfg, progress=lambda m: print(m, flush=True))
         print(f"{len(summary['rows'])} rows, {len(summary['errors'])} errors/skips")
     print(f"wrote {args.out / 'summary.json'}")
     return 0
