@@ -55,9 +55,10 @@ DYNAMIC_CACHE_ROWS = True
 # (docs/results/gpu_session19/call3). cuBLAS streams these products' weights at 2.4-4.4 TB/s (the
 # 4096 x 4096 o_proj slowest); a hand-written Triton small-batch product beat it by 0.38 ms per
 # GLM-4-9B step at batch 1 alone (session 19, call2; removed once Inductor's own templates were in).
-# At batch 2-4 the same mode was slower for both methods (GLM-4-9B 256K, call4 against session 18's
-# default-mode rows, ms: dense 15.58 / 20.18 / 24.77 -> 16.26 / 20.99 / 26.09, LOCKS 8.53 / 9.44 / 10.63
-# -> 9.44 / 10.15 / 11.51; not yet A/B'd on one machine), so it applies up to this batch only.
+# At batch 2-4 the same mode is slower for both methods (GLM-4-9B 256K on one machine, select_ab.py
+# --modes defaults19b,max_autotune_all, ms LOCKS / dense, this limit -> max-autotune at every batch:
+# batch 2 8.51 / 15.23 -> 9.35 / 16.28, 3 9.38 / 19.83 -> 9.91 / 20.42, 4 10.64 / 24.78 -> 11.08 / 25.26;
+# docs/results/gpu_session20/call2), so it applies up to this batch only.
 COMPILE_MODE = "max-autotune-no-cudagraphs"
 COMPILE_MODE_MAX_BATCH = 1
 # Inductor's own programmatic dependent launch for the compiled pieces' Triton kernels
