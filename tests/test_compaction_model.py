@@ -24,7 +24,7 @@ from kvlocks.compaction.model import compact_capture
 from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import cache_kwargs
-from kvlocks.eval.corpora import natural_units
+from kvlocks.corpus import natural_units
 
 pytestmark = pytest.mark.model
 

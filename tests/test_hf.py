@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # the Triton-backend tests below run in the i
     os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports triton (tests/test_kernels.py does too)
 
 from kvlocks import LocksConfig, build_summaries
-from kvlocks.eval.decode import prefill, step
+from kvlocks.integrations.hf_decode import prefill, step
 from kvlocks.integrations.hf import LocksCache, cache_kwargs
 
 pytestmark = pytest.mark.model

@@ -106,8 +106,8 @@ def study(name: str, keys: torch.Tensor, queries: torch.Tensor, scale: float, sw
 
 
 def real_cases(layers: list[int], tokens: int) -> list[tuple]:
-    from kvlocks.fidelity.capture import capture_prompt
-    from kvlocks.fidelity.prompts import text_prompt
+    from kvlocks_lab.fidelity.capture import capture_prompt
+    from kvlocks_lab.fidelity.prompts import text_prompt
     from kvlocks.models import load
 
     model, tok = load("smollm2-135m")

@@ -36,14 +36,14 @@ from pathlib import Path
 
 import torch
 
-import kvlocks.eval.runner as runner
+import kvlocks_lab.eval.runner as runner
 from kvlocks.compaction import serve
 from kvlocks.config import LocksConfig
-from kvlocks.eval.compacted import CompactionSettings, RecordCompactions
-from kvlocks.eval.decode import prefill, step
-from kvlocks.eval.metrics import kl_divergence, top1_agreement
-from kvlocks.eval.suite import EvalConfig
-from kvlocks.eval.tasks import generate
+from kvlocks_lab.eval.compacted import CompactionSettings, RecordCompactions
+from kvlocks.integrations.hf_decode import prefill, step
+from kvlocks_lab.eval.metrics import kl_divergence, top1_agreement
+from kvlocks_lab.eval.suite import EvalConfig
+from kvlocks_lab.eval.tasks import generate
 from kvlocks.integrations.hf import LocksCache
 from kvlocks.scoring.reference import exact_page_lse, score_pages_from_summaries
 from kvlocks.selection.selectors import LayerView, LocksSelector, OracleSelector, choose_pages
@@ -256,7 +256,7 @@ def _mean(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", default="niah_single_noise:1,niah_multikey:0",
-                    help="TASK:INDEX,... (records of kvlocks.eval.tasks.generate with --seed)")
+                    help="TASK:INDEX,... (records of kvlocks_lab.eval.tasks.generate with --seed)")
     ap.add_argument("--length", type=int, default=2048, help="record length in tokens")
     ap.add_argument("--ratio", type=float, default=0.5, help="fold's kept fraction of the context")
     ap.add_argument("--budgets", default="128,256", help="LOCKS budgets (tokens per layer and KV head)")

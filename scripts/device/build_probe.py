@@ -1,6 +1,6 @@
 """Summary-build probe (issue 5): Jacobi variants of the build kernel, timed on one layer at 1M.
 
-For each shape (``kvlocks.bench.kernels.SHAPES``) a layer's random bf16 keys at ``--tokens``
+For each shape (``kvlocks_lab.bench.kernels.SHAPES``) a layer's random bf16 keys at ``--tokens``
 (every page full), then per rotation variant of :mod:`kvlocks.summary.triton` (``ROTATIONS``:
 ``gathers`` = tile gathers and four masked reductions per Jacobi step, ``lean`` = the diagonal
 tracked in closed form, one reduction, ``dots`` = rotations as tf32x3 batched dots) and launch
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kvlocks.bench.kernels import SHAPES
+from kvlocks_lab.bench.kernels import SHAPES
 from kvlocks.cache.layout import PagedSummaries
 from kvlocks.config import LocksConfig
 from kvlocks.summary import triton as build_tri

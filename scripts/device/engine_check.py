@@ -131,7 +131,7 @@ def run_checks(args) -> bool:
 
 
 def run_bench(args) -> None:
-    from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
+    from kvlocks_lab.bench.e2e import E2EBenchConfig, run_e2e_bench
 
     cfg = E2EBenchConfig(models=tuple(args.bench_models.split(",")), contexts=tuple(args.bench_contexts),
                          batches=(1,), batch_context=args.bench_contexts[0], steps=args.bench_steps,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.bench.kernels import SHAPES
+from kvlocks_lab.bench.kernels import SHAPES
 from kvlocks.scoring.triton import LOG2E, _combine_launch, score_workspace
 from kvlocks.selection.fused import default_fused_chunk, fused_workspace, rank_and_select
 from kvlocks.selection.triton import select_pages_paged, select_workspace

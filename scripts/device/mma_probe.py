@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.bench.kernels import SHAPES, _random_store, copy_bandwidth
+from kvlocks_lab.bench.kernels import SHAPES, _random_store, copy_bandwidth
 from kvlocks.config import LocksConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvlocks.attention.triton import paged_decode
-from kvlocks.bench.kernels import KernelBenchConfig, _Case
+from kvlocks_lab.bench.kernels import KernelBenchConfig, _Case
 from kvlocks.dispatch import DecodePlan
 from kvlocks.scoring.triton import _combine_launch, score_pages_paged
 from kvlocks.selection.fused import rank_and_select

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from kvlocks.bench.kernels import SHAPES, copy_bandwidth
+from kvlocks_lab.bench.kernels import SHAPES, copy_bandwidth
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from score_probe import _case, _load_launch, _time, store_bytes  # noqa: E402

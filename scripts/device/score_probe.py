@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlocks.bench.kernels import SHAPES, _random_store, copy_bandwidth
+from kvlocks_lab.bench.kernels import SHAPES, _random_store, copy_bandwidth
 from kvlocks.config import LocksConfig
 
 

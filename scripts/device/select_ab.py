@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvlocks.bench.e2e import E2EBenchConfig, run_e2e_bench
+from kvlocks_lab.bench.e2e import E2EBenchConfig, run_e2e_bench
 
 
 # Each mode sets these module attributes (read when a decode plan is made or at each launch): the

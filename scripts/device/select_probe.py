@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.bench.kernels import SHAPES
+from kvlocks_lab.bench.kernels import SHAPES
 from kvlocks.selection.triton import default_chunk, select_pages_paged, select_workspace
 
 sys.path.insert(0, str(Path(__file__).parent))

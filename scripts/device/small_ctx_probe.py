@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import triton
 
-from kvlocks.bench.kernels import SHAPES, KernelBenchConfig, _Case
+from kvlocks_lab.bench.kernels import SHAPES, KernelBenchConfig, _Case
 from kvlocks.scoring import cuda_mma
 from kvlocks.scoring.triton import score_pages_paged, score_workspace
 from kvlocks.selection.fused import default_fused_chunk, default_warps, fused_workspace, rank_and_select

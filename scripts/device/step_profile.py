@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import torch
 
-from kvlocks.bench.e2e import _time_steps, copy_bandwidth, step_bytes
+from kvlocks_lab.bench.e2e import _time_steps, copy_bandwidth, step_bytes
 from kvlocks.config import LocksConfig
 from kvlocks.engine.cache import StaticPagedCache
 from kvlocks.engine.graph import StepRunner

@@ -1,4 +1,11 @@
-"""The ``kvlocks`` command. Each subcommand lives in ``kvlocks.commands.<name>``."""
+"""The ``kvlocks`` command.
+
+The product's subcommands live in ``kvlocks.commands.<name>``. Other installed packages add
+theirs through the ``kvlocks.commands`` entry-point group (the lab adds ``eval``, ``fidelity``,
+``compaction-study`` and ``bench``): each entry point names a module with ``add_parser(subparsers)``.
+The product imports nothing from them; a command whose package lacks its optional dependencies
+says which extra to install.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,42 @@ import argparse
 import importlib
 import logging
 import sys
+from importlib.metadata import entry_points
 
-COMMANDS = ("demo", "generate", "eval", "fidelity", "compact", "compaction_study", "bench")
+COMMANDS = ("demo", "generate", "compact")
+ENTRY_POINT_GROUP = "kvlocks.commands"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_plugin_commands(sub) -> None:
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            module = ep.load()
+        except ImportError as exc:  # a plugin package installed without its extras
+            p = sub.add_parser(ep.name, help=f"(unavailable: {exc.name or exc} is not installed)")
+            p.set_defaults(func=_missing(ep.name, exc))
+            continue
+        module.add_parser(sub)
+
+
+def _missing(name: str, exc: ImportError):
+    def run(args):
+        raise SystemExit(f"kvlocks {name}: needs {exc.name or exc}, which is not installed; "
+                         f"install the lab extras: pip install 'kvlocks[lab]'")
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlocks", description="Cheaper long-context decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"kvlocks.commands.{name}").add_parser(sub)
-    args = parser.parse_args(argv)
+    _add_plugin_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)

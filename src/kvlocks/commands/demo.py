@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from kvlocks.eval.demo import run_demo
+    from kvlocks.demo import run_demo
 
     print(f"loading {args.model} ...", flush=True)
     model, tok = load_model(args)

@@ -136,8 +136,8 @@ def _method(name: str, model, tok, prompt: str):
         return name
     import torch
 
-    from kvlocks.fidelity.prompts import calibration_prompt
+    from kvlocks.corpus import calibration_text
     from kvlocks.selection.loki import LokiSelector, calibrate
 
-    calib = calibration_prompt(tok, tokens=2048, avoid=[prompt], page_size=16, seed=0)
-    return LokiSelector(calibrate(model, torch.tensor([calib.ids], device=model.device)))
+    ids, _ = calibration_text(tok, tokens=2049, avoid=[prompt], seed=0)  # as the fidelity lab's 2,048
+    return LokiSelector(calibrate(model, torch.tensor([ids], device=model.device)))

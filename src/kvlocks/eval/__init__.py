@@ -1,1 +1,0 @@
-"""Evaluation: decode loops, the demo, (later) task generators, metrics and runners."""

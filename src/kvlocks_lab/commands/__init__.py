@@ -1,0 +1,1 @@
+"""The lab's subcommands of ``kvlocks`` (entry-point group ``kvlocks.commands``)."""

@@ -1,0 +1,1 @@
+"""The task suite: generators, metrics, runner, report and plots (``kvlocks eval``)."""

@@ -1,0 +1,161 @@
+"""``kvlocks eval``: the task-suite grid, resumable, with a progress bar and result files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config import LocksConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TASKS = ("passkey", "niah_single_noise", "niah_single_text", "niah_multikey", "qa_doc", "vt_2hop", "cwe",
+                 "ppl_continuation")
+
+
+def task_names() -> tuple[str, ...]:
+    """Every task ``--tasks`` accepts: the RULER-style tasks and ``ppl_continuation``."""
+    from kvlocks_lab.eval.continuation import PPL_TASK
+    from kvlocks_lab.eval.tasks import TASKS
+
+    return (*TASKS, PPL_TASK)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(ConfigIO):
+    """The grid of one evaluation run (its JSON goes into summary.json).
+
+    ``methods``: ``full``, selectors (run once per budget) and compactions ``NAME@RATIO`` (run
+    once per record; see :mod:`kvlocks_lab.eval.methods`); spellings are canonicalised.
+    ``ppl_tokens``: continuation tokens N scored per ``ppl_continuation`` record (context
+    P = length - N); at most half the shortest length. ``compaction_max_queries`` and
+    ``compaction_self_study_tokens``: reference queries per KV head, and greedy tokens per
+    self-study prompt, of every compaction method.
+    """
+
+    model: str = "smollm2-135m"
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    lengths: tuple[int, ...] = (2048, 4096, 8192)
+    budgets: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    methods: tuple[str, ...] = ("full", "locks", "oracle", "quest")
+    samples: int = 10
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    rank: int = 8
+    basis_bits: int = 4
+    combine: str = "mean_share"
+    ppl_tokens: int = 128
+    compaction_max_queries: int = 4096
+    compaction_self_study_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        from kvlocks_lab.eval.methods import parse_methods
+
+        allowed = task_names()
+        for t in self.tasks:
+            if t not in allowed:
+                raise ValueError(f"EvalConfig.tasks: unknown task {t!r}; allowed {list(allowed)}")
+        try:
+            specs = parse_methods(self.methods)
+        except ValueError as exc:
+            raise ValueError(f"EvalConfig.methods: {exc}") from None
+        object.__setattr__(self, "methods", tuple(s.name for s in specs))  # canonical spellings
+        if not self.lengths:
+            raise ValueError("EvalConfig.lengths: at least one length is required")
+        for n in self.lengths:
+            if n < 256:
+                raise ValueError(f"EvalConfig.lengths: {n} is too short; lengths must be >= 256 tokens")
+        if self.samples < 1:
+            raise ValueError(f"EvalConfig.samples={self.samples}: must be >= 1")
+        if not self.budgets:
+            raise ValueError("EvalConfig.budgets: at least one budget is required")
+        for b in self.budgets:  # validated by LocksConfig, which names the rule
+            self.locks_config(b)
+        check_int("EvalConfig", "seed", self.seed, 0)
+        check_int("EvalConfig", "ppl_tokens", self.ppl_tokens, 1, min(self.lengths) // 2)
+        check_int("EvalConfig", "compaction_max_queries", self.compaction_max_queries, 1)
+        check_int("EvalConfig", "compaction_self_study_tokens", self.compaction_self_study_tokens, 0)
+
+    def locks_config(self, budget: int) -> LocksConfig:
+        return LocksConfig(budget=budget, rank=self.rank, basis_bits=self.basis_bits, combine=self.combine)
+
+    def compaction_settings(self):
+        from kvlocks_lab.eval.compacted import CompactionSettings
+
+        return CompactionSettings(max_queries=self.compaction_max_queries,
+                                  self_study_tokens=self.compaction_self_study_tokens, seed=self.seed)
+
+    def runs_per_record(self) -> int:
+        """Rows one record produces: one per budget for selectors, one for full and compactions."""
+        from kvlocks_lab.eval.methods import parse_methods
+
+        return sum(len(self.budgets) if s.budgeted else 1 for s in parse_methods(self.methods))
+
+
+def _records(cfg: EvalConfig, tok, task: str, length: int):
+    from kvlocks_lab.eval.continuation import PPL_TASK, generate_continuations
+    from kvlocks_lab.eval.tasks import generate
+
+    if task == PPL_TASK:
+        return generate_continuations(tok, length, cfg.samples, cfg.ppl_tokens, seed=cfg.seed)
+    return generate(task, tok, length, cfg.samples, seed=cfg.seed)
+
+
+def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool = True) -> dict:
+    """Run (or resume) the grid into ``out/rows.jsonl``; write summary.json, results.md, plots.
+
+    Compaction fits in progress are kept in ``out/compacted/`` until their record is done.
+    """
+    import torch
+    from tqdm import tqdm
+
+    import gc
+    from kvlocks_lab.eval.continuation import PPL_TASK
+    from kvlocks_lab.eval.ppl import run_continuation
+    from kvlocks_lab.eval.report import git_commit, write_report
+    from kvlocks_lab.eval.runner import load_done, row_key, run_record
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows_path = out / "rows.jsonl"
+    done = load_done(rows_path)
+    if model is None:
+        from kvlocks.commands._common import DTYPES
+        from kvlocks.models import load
+
+        model, tok = load(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    eos = {tok.eos_token_id}
+    if "<|im_end|>" in tok.get_vocab():
+        eos.add(tok.convert_tokens_to_ids("<|im_end|>"))
+    jobs = [(t, n) for n in cfg.lengths for t in cfg.tasks]
+    in_grid = lambda r: r["task"] in cfg.tasks and r["length"] in cfg.lengths and r["method"] in cfg.methods \
+        and (r["budget"] is None or r["budget"] in cfg.budgets) and r["index"] < cfg.samples
+    bar = tqdm(total=len(jobs) * cfg.samples * cfg.runs_per_record(), disable=not progress, unit="run", desc="eval")
+    bar.update(sum(1 for r in done.values() if in_grid(r)))
+    base = cfg.locks_config(cfg.budgets[0])
+    kw = {"compaction": cfg.compaction_settings(), "cache_dir": out / "compacted"}
+    commit = git_commit()  # the code that produces this session's rows (a resumed run may mix commits)
+    with rows_path.open("a") as fh:
+        def write(row):
+            row.setdefault("commit", commit)
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            done[row_key(row)] = row
+            bar.update(1)
+
+        for task, length in jobs:
+            bar.set_postfix_str(f"{task}@{length}")
+            kw["progress"] = lambda msg, _tl=f"{task}@{length}": bar.set_postfix_str(f"{_tl}: {msg}")
+            for record in _records(cfg, tok, task, length):
+                with torch.inference_mode():
+                    if task == PPL_TASK:
+                        run_continuation(model, tok, record, cfg.methods, cfg.budgets, base, done, write, **kw)
+                    else:
+                        run_record(model, tok, record, cfg.methods, cfg.budgets, base, eos, done, write, **kw)
+                gc.collect()  # frees the record's caches before the next one
+    bar.close()
+    rows = [r for r in done.values() if in_grid(r)]
+    return write_report(rows, out, config=asdict(cfg), device=str(model.device))

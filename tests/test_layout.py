@@ -1,0 +1,181 @@
+"""The product/lab split and the import graph, checked on the source tree.
+
+- the product (``src/kvlocks``) imports nothing from the lab (``src/kvlocks_lab``);
+- the library does not import the CLI (``kvlocks.cli``, ``kvlocks.commands``);
+- no import cycle between files, counting imports inside functions too (a lazy import that only
+  hides a cycle is still a cycle);
+- the product's declared dependencies hold neither scipy nor matplotlib (they are the lab's
+  extra), and every product module imports with both of them unavailable;
+- no source file is over 400 lines, and the product stays well under 13K lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from importlib.metadata import requires
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LAB_ONLY = ("scipy", "matplotlib")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in SRC.rglob("*.py"):
+        parts = p.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every kvlocks/kvlocks_lab module ``name`` imports, resolved to the deepest module named."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _is_product(name: str) -> bool:
+    return name == "kvlocks" or name.startswith("kvlocks.")
+
+
+def test_the_tree_has_both_parts():
+    assert "kvlocks.api" in MODULES and "kvlocks_lab.eval.runner" in MODULES
+    assert sum(_is_product(m) for m in MODULES) > 50
+
+
+def test_product_imports_nothing_from_the_lab():
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if _is_product(m) for t in ts
+                 if t.startswith("kvlocks_lab"))
+    assert bad == []
+
+
+def test_library_does_not_import_the_cli():
+    cli = ("kvlocks.cli", "kvlocks.commands")
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items()
+                 if _is_product(m) and not m.startswith(cli) for t in ts if t.startswith(cli))
+    assert bad == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    # a package's __init__ re-exporting its own modules is not a cycle between files
+    graph = {m: {t for t in ts if not (MODULES[m].name == "__init__.py" and t.startswith(m + "."))}
+             for m, ts in GRAPH.items()}
+    graph = {m: {t for t in ts if not (MODULES[t].name == "__init__.py" and m.startswith(t + "."))}
+             for m, ts in graph.items()}
+    assert _cycles(graph) == []
+
+
+def test_product_dependencies_exclude_the_lab_extras():
+    reqs = requires("kvlocks") or []
+    core = [r for r in reqs if "extra ==" not in r]
+    lab = [r for r in reqs if 'extra == "lab"' in r]
+    assert not [r for r in core if r.split(">")[0].split("=")[0].strip().lower() in LAB_ONLY]
+    assert {r.split(">")[0].strip().lower() for r in lab} >= set(LAB_ONLY)
+
+
+BLOCKED_IMPORT = """
+import importlib, importlib.abc, json, pkgutil, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"blocked for this test: {{name}}", name=name)
+sys.meta_path.insert(0, Block())
+import kvlocks
+done, failed = [], []
+for m in pkgutil.walk_packages(kvlocks.__path__, "kvlocks."):
+    if m.name.startswith("kvlocks.integrations.vllm."):  # needs vllm itself (tests/vllm)
+        continue
+    try:
+        importlib.import_module(m.name)
+        done.append(m.name)
+    except ImportError as exc:
+        failed.append((m.name, str(exc)))
+print(json.dumps({{"done": len(done), "failed": failed}}))
+"""
+
+
+def test_every_product_module_imports_without_the_lab_extras():
+    code = BLOCKED_IMPORT.format(blocked=set(LAB_ONLY))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["failed"] == [] and result["done"] > 50
+
+
+@pytest.mark.parametrize("part", ["kvlocks", "kvlocks_lab"])
+def test_no_file_over_400_lines(part):
+    long = {str(p.relative_to(SRC)): n for p in (SRC / part).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_product_well_under_13k_lines():
+    lines = sum(len(p.read_text().splitlines()) for p in (SRC / "kvlocks").rglob("*.py"))
+    assert lines < 12_500, lines
