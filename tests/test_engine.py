@@ -12,12 +12,13 @@ if not CUDA:  # before any kernel module is imported (as tests/test_kernels.py d
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvlocks import LocksConfig  # noqa: E402
-from kvlocks.dispatch import build_pages  # noqa: E402
-from kvlocks.cache.layout import PagedSummaries  # noqa: E402
+from kvlocks.cache.layout import SummaryStore  # noqa: E402
+from kvlocks.config import DenseLaunch, KernelOptions  # noqa: E402
 from kvlocks.engine import DecodeEngine, EngineConfig, StaticPagedCache, model_parts  # noqa: E402
 from kvlocks.engine.models import model_config, random_model  # noqa: E402
 from kvlocks.engine.overlap import PrefillBuild  # noqa: E402
 from kvlocks.engine.prefill import prefill  # noqa: E402
+from kvlocks.plan import paged_build  # noqa: E402
 
 PROMPT = (
     "Alice keeps her bicycle in the red shed behind the library. Bob keeps his canoe in the "
@@ -28,6 +29,9 @@ COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "gold
 THINGS = ["box", "jar", "crate", "basket", "drawer", "bag", "chest", "tin", "bowl", "bottle"]
 TINY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=512)
+# Engines tune their attention launch at their first step by timing; tests comparing two engines'
+# tokens give the tuner one (non-default) launch, so both run the same float sums.
+ONE_LAUNCH = (DenseLaunch(8, 8, 2, 2.0),)
 
 
 def _chat(tok, text):
@@ -120,8 +124,8 @@ def test_incremental_builds_equal_a_rebuild(long_case):
     assert int(cache.seq_lens[0]) == n and n // s > ids.shape[1] // s  # decode filled at least one page
     full = cache.block_table[0, : n // s]
     for layer in (0, len(cache.summaries) - 1):
-        fresh = PagedSummaries.empty(cache.num_pages, cache.k.shape[-2], cache.k.shape[-1], cache.config)
-        build_pages(cache.k[layer], fresh, full, cache.config, backend="torch")
+        fresh = SummaryStore.empty(cache.num_pages, cache.k.shape[-2], cache.k.shape[-1], cache.config)
+        paged_build(cache.k[layer], fresh, full, cache.config, backend="torch")
         for a, b in zip(cache.summaries[layer]._fields(), fresh._fields()):
             assert torch.equal(a[full.long()], b[full.long()])
 
@@ -140,21 +144,18 @@ def test_engine_equals_hf_on_random_models_batch_2(kind):
 
 
 
-@pytest.mark.parametrize("kind,write", [("glm4-9b-1m", False), ("llama3.1-8b", False), ("glm4-9b-1m", True)])
-def test_fused_qkv_projection_keeps_the_model_and_the_tokens(kind, write, monkeypatch):
-    """step.FUSE_QKV: each layer's q/k/v weights (and GLM's biases) laid out in one matrix, the
-    modules' parameters views of it (no memory added); HF's own greedy tokens are unchanged after
-    fusing, and the engine's (one product, split) equal them, dense and LOCKS; also with the K/V
-    writes inside the projection piece (step.KV_WRITE_IN_PIECE)."""
-    from kvlocks.engine import step as step_mod
+@pytest.mark.parametrize("kind", ["glm4-9b-1m", "llama3.1-8b"])
+def test_fused_qkv_projection_keeps_the_model_and_the_tokens(kind):
+    """The decode step's q/k/v projection: each layer's q/k/v weights (and GLM's biases) laid out in
+    one matrix, the modules' parameters views of it (no memory added); HF's own greedy tokens are
+    unchanged after fusing, and the engine's (one product, split, the K/V written inside the
+    projection piece) equal them, dense and LOCKS."""
     from kvlocks.engine.fused import fused_qkv
 
     model = _tiny(kind, seed=1)
     ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(0))
     hf = _hf_greedy(model, ids, 20)
     params = sum(p.numel() for p in model.parameters())
-    monkeypatch.setattr(step_mod, "FUSE_QKV", True)
-    monkeypatch.setattr(step_mod, "KV_WRITE_IN_PIECE", write)
     for method in ("dense", "locks"):
         eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=1024), batch=2,
                                                max_context=128))
@@ -204,33 +205,26 @@ def test_triton_backend_matches_torch_backend():
 
 
 @pytest.mark.skipif(not CUDA, reason="the CUDA score kernel: GPU only")
-def test_engine_with_cuda_score_kernel_equals_triton_score_kernel(monkeypatch):
+def test_engine_with_cuda_score_kernel_equals_triton_score_kernel():
     """bf16 model: the engine's tokens and logits with the CUDA score kernel (the default) equal
     those with the Triton packed kernel; everything else (builds, selection, attention) is shared."""
-    _one_attention_launch(monkeypatch)
     model = _tiny("glm4-9b-1m", seed=1, num_hidden_layers=2).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(0)).cuda()
     out = {}
     for kernel in ("cuda", "packed"):
-        monkeypatch.setenv("KVLOCKS_SCORE_KERNEL", kernel)
-        eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=64), max_context=360))
+        kernels = KernelOptions(score_kernel=kernel, dense_launches=ONE_LAUNCH)
+        eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=64), max_context=360,
+                                               kernels=kernels))
         out[kernel] = (eng.generate(ids, max_new_tokens=24), eng.step.logits.float().cpu())
     assert torch.equal(out["cuda"][0], out["packed"][0])
     assert torch.allclose(out["cuda"][1], out["packed"][1], atol=1e-3 * float(out["packed"][1].abs().max()))
 
 
-@pytest.mark.parametrize("fuse,write", [(False, False), (True, False), (True, True)])
-def test_compiled_step_equals_eager_and_compiles_once_for_all_layers(fuse, write, monkeypatch):
+def test_compiled_step_equals_eager_and_compiles_once_for_all_layers():
     """torch.compile of the per-layer pieces: the same tokens and logits as the eager step, and one
-    graph per piece serves every layer (parameters are graph inputs, not constants), also with the
-    fused q/k/v weights (step.FUSE_QKV) as inputs and with the K/V writes inside the projection
-    piece (step.KV_WRITE_IN_PIECE: each layer's cache rows are inputs too)."""
+    graph per piece serves every layer (parameters, the fused q/k/v weights and each layer's cache
+    rows, where the projection piece writes the new K/V, are graph inputs, not constants)."""
     from torch._dynamo.utils import counters
-
-    from kvlocks.engine import step as step_mod
-
-    monkeypatch.setattr(step_mod, "FUSE_QKV", fuse)
-    monkeypatch.setattr(step_mod, "KV_WRITE_IN_PIECE", write)
 
     model = _tiny("glm4-9b-1m", seed=4, num_hidden_layers=3)
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
@@ -247,34 +241,34 @@ def test_compiled_step_equals_eager_and_compiles_once_for_all_layers(fuse, write
     assert torch.allclose(out[False][1], out[True][1], rtol=1e-4, atol=1e-4 * float(out[False][1].abs().max()))
 
 
-def test_compile_mode_is_max_autotune_on_a_gpu_at_batch_one_only(monkeypatch):
+def test_compile_mode_is_max_autotune_on_a_gpu_at_batch_one_only():
     """The pieces' torch.compile mode: max-autotune (step.COMPILE_MODE) on a GPU up to
-    COMPILE_MODE_MAX_BATCH sequences (measured faster at batch 1, slower at 2-4), the default mode
-    above it and on the CPU (where Inductor would time C++ GEMM templates instead); a CPU engine's
-    compiled step records the default."""
-    from kvlocks.engine import step as step_mod
+    KernelOptions.compile_mode_max_batch sequences (default 1: measured faster at batch 1, slower
+    at 2-4), the default mode above it and on the CPU (where Inductor would time C++ GEMM templates
+    instead); a CPU engine's compiled step records the default."""
+    from kvlocks.engine.step import COMPILE_MODE, compile_mode
 
-    assert step_mod.COMPILE_MODE == "max-autotune-no-cudagraphs" and step_mod.COMPILE_MODE_MAX_BATCH == 1
-    assert step_mod.compile_mode("cuda", 1) == "max-autotune-no-cudagraphs"
-    assert step_mod.compile_mode("cuda", 2) is None and step_mod.compile_mode("cuda", 4) is None
-    assert step_mod.compile_mode("cpu", 1) is None
-    monkeypatch.setattr(step_mod, "COMPILE_MODE_MAX_BATCH", 4)
-    assert step_mod.compile_mode("cuda", 4) == "max-autotune-no-cudagraphs" and step_mod.compile_mode("cuda", 5) is None
+    limit = KernelOptions().compile_mode_max_batch
+    assert COMPILE_MODE == "max-autotune-no-cudagraphs" and limit == 1
+    assert compile_mode("cuda", 1, limit) == COMPILE_MODE
+    assert compile_mode("cuda", 2, limit) is None and compile_mode("cuda", 4, limit) is None
+    assert compile_mode("cpu", 1, limit) is None
+    assert compile_mode("cuda", 4, 4) == COMPILE_MODE and compile_mode("cuda", 5, 4) is None
+    assert compile_mode("cuda", 1, 0) is None
     model = _tiny("glm4-9b-1m", seed=4, num_hidden_layers=1)
-    eng = DecodeEngine(model, EngineConfig(method="dense", max_context=64, backend="torch", compile=True))
-    assert eng.step.compile_mode is None
+    for limit in (1, 4):
+        eng = DecodeEngine(model, EngineConfig(method="dense", max_context=64, backend="torch", compile=True,
+                                               kernels=KernelOptions(compile_mode_max_batch=limit)))
+        assert eng.step.compile_mode is None
 
 
-def test_compiled_step_compiles_once_across_cache_sizes(monkeypatch):
-    """With the K/V writes inside the compiled projection piece the caches are its inputs; engines
-    with ten different cache sizes (more than Dynamo's recompile limit of 8, past which a piece runs
-    eagerly) reuse the same two graphs, and each one's tokens equal the eager step's."""
+def test_compiled_step_compiles_once_across_cache_sizes():
+    """With the K/V writes inside the compiled projection piece the caches are its inputs, their
+    row count marked dynamic; engines with ten different cache sizes (more than Dynamo's recompile
+    limit of 8, past which a piece runs eagerly) reuse the same two graphs, and each one's tokens
+    equal the eager step's."""
     from torch._dynamo.utils import counters
 
-    from kvlocks.engine import step as step_mod
-
-    monkeypatch.setattr(step_mod, "KV_WRITE_IN_PIECE", True)
-    monkeypatch.setattr(step_mod, "DYNAMIC_CACHE_ROWS", True)
     model = _tiny("llama3.1-8b", seed=5, num_hidden_layers=2)
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(3))
     torch._dynamo.reset()
@@ -288,100 +282,83 @@ def test_compiled_step_compiles_once_across_cache_sizes(monkeypatch):
 
 
 def test_incremental_build_runs_only_on_steps_that_fill_a_page(monkeypatch):
-    """With SKIP_IDLE_BUILDS the step runner tracks the common length on the host and leaves the
-    incremental build out of steps that fill no page (one launch per layer saved on 15 of 16 steps):
-    from a 100-token prompt, 20 steps reach lengths 101..120 and only the step to 112 fills one.
-    Budget 32 < context, so a missed build would change the pages chosen."""
-    from kvlocks.engine import attention, graph
+    """The step runner tracks the common length on the host and leaves the incremental build out of
+    steps that fill no page (one launch per layer saved on 15 of 16 steps): from a 100-token prompt,
+    20 steps reach lengths 101..120 and only the step to 112 fills one. Budget 32 < context, so a
+    missed build would change the pages chosen; the tokens equal those of steps that all build."""
+    from kvlocks.engine import attention
 
-    monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", True)
     model = _tiny("llama3.1-8b", seed=2)
     calls = []
-    real = attention.build_new_pages
-    monkeypatch.setattr(attention, "build_new_pages", lambda *a, **k: (calls.append(int(a[3][0])), real(*a, **k)))
+    real = attention.paged_build_new
+    monkeypatch.setattr(attention, "paged_build_new", lambda *a, **k: (calls.append(int(a[3][0])), real(*a, **k)))
     ids = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(0))
-    eng = DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=32), max_context=128))
-    eng.generate(ids, max_new_tokens=21)
+    cfg = EngineConfig(method="locks", locks=LocksConfig(budget=32), max_context=128)
+    eng = DecodeEngine(model, cfg)
+    tokens = eng.generate(ids, max_new_tokens=21)
     assert calls == [112] * model.config.num_hidden_layers
     assert eng.cache.length == 120 and int(eng.cache.seq_lens[0]) == 120
-    tokens = eng.generate(ids, max_new_tokens=21)
-    monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", False)  # a build launch on every step: same tokens
-    assert torch.equal(DecodeEngine(model, EngineConfig(method="locks", locks=LocksConfig(budget=32),
-                                                        max_context=128)).generate(ids, max_new_tokens=21), tokens)
+    every = DecodeEngine(model, cfg)  # a build launch on every step: same tokens
+    every.prefill(ids)
+    every.build_in_flight.finish()
+    out = [every.step.tokens.clone()]
+    for _ in range(20):
+        every.step(build=True)
+        out.append(every.step.tokens.clone())
+    assert torch.equal(torch.stack(out, dim=1), tokens)
+    assert len(calls) == model.config.num_hidden_layers * 21
 
-
-def _one_attention_launch(monkeypatch):
-    """Engines tune their attention launch at their first step by timing; tests comparing two
-    engines' tokens give the tuner one (non-default) launch, so both run the same float sums."""
-    from kvlocks.attention import tune
-
-    launch = tune.DenseLaunch(8, 8, 2, 2.0)
-    monkeypatch.setattr(tune, "DEFAULT", launch)
-    monkeypatch.setattr(tune, "CANDIDATES", (launch,))
-    return launch
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("skip_idle,pdl_on", [(False, False), (True, False), (True, True)])
-def test_cuda_graph_replay_equals_eager_steps(skip_idle, pdl_on, monkeypatch):
+@pytest.mark.parametrize("pdl_on", [False, True])
+def test_cuda_graph_replay_equals_eager_steps(pdl_on):
     """Graph replays give the eager steps' tokens across several page fills (budget 64 < context);
-    with SKIP_IDLE_BUILDS, LOCKS replays one of its two graphs per step; with programmatic dependent
-    launch (kvlocks.pdl) as well."""
-    from kvlocks import pdl
-    from kvlocks.engine import graph
-
-    monkeypatch.setattr(graph, "SKIP_IDLE_BUILDS", skip_idle)
-    monkeypatch.setattr(pdl, "ENABLED", pdl_on)
-    launch = _one_attention_launch(monkeypatch)
+    LOCKS replays one of its two graphs per step (with and without the build launches); with and
+    without programmatic dependent launch (KernelOptions.pdl)."""
+    (launch,) = ONE_LAUNCH
+    kernels = KernelOptions(pdl=pdl_on, dense_launches=ONE_LAUNCH)
     model = _tiny("llama3.1-8b", seed=3).to("cuda")
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     for method in ("dense", "locks"):
         engines = [DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=64), batch=2,
-                                                    max_context=400, cuda_graph=g)) for g in (False, True)]
+                                                    max_context=400, cuda_graph=g, kernels=kernels))
+                   for g in (False, True)]
         out = [e.generate(ids, max_new_tokens=40) for e in engines]
         assert torch.equal(out[0], out[1]), method
         # both tuned at their first step (LOCKS: its attention over the selected pages), the graph
         # captured with that launch
         assert [e.step.attn.tuned.launch for e in engines] == [launch, launch], method
-        expect = [False, True] if skip_idle and method == "locks" else [method == "locks"]
+        expect = [False, True] if method == "locks" else [False]
         assert sorted(engines[1].runner.graphs) == expect, method
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_compiled_graph_step_with_inductor_pdl_equals_without(monkeypatch):
-    """The compiled pieces with Inductor's programmatic dependent launch (step.INDUCTOR_PDL) and the
-    score kernel launched early (cuda_mma.SCORE_PDL), beside kvlocks.pdl's attention kernels: the
-    graph-replayed bf16 engine's tokens equal those of the same engine with none of the three, dense
-    and LOCKS."""
-    from kvlocks import pdl
-    from kvlocks.engine import step as step_mod
-    from kvlocks.scoring import cuda_mma
-
-    _one_attention_launch(monkeypatch)
+def test_compiled_graph_step_with_inductor_pdl_equals_without():
+    """KernelOptions.pdl: the compiled pieces with Inductor's programmatic dependent launch, the score
+    kernel launched early, and kvlocks.pdl's selection and attention kernels: the graph-replayed bf16
+    engine's tokens equal those of the same engine without any of them, dense and LOCKS."""
     model = _tiny("glm4-9b-1m", seed=3, num_hidden_layers=3).to("cuda", torch.bfloat16)  # bf16: the CUDA score kernel
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     for method in ("dense", "locks"):
         out = []
         for on in (False, True):
-            monkeypatch.setattr(step_mod, "INDUCTOR_PDL", on)
-            monkeypatch.setattr(cuda_mma, "SCORE_PDL", on)
-            monkeypatch.setattr(pdl, "ENABLED", on)
             torch._dynamo.reset()
             eng = DecodeEngine(model, EngineConfig(method=method, locks=LocksConfig(budget=64), batch=2,
-                                                   max_context=400, cuda_graph=True, compile=True))
+                                                   max_context=400, cuda_graph=True, compile=True,
+                                                   kernels=KernelOptions(pdl=on, dense_launches=ONE_LAUNCH)))
             out.append(eng.generate(ids, max_new_tokens=24))
         assert torch.equal(out[0], out[1]), method
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_auto_switch_mid_decode_with_cuda_graphs(monkeypatch):
+def test_auto_switch_mid_decode_with_cuda_graphs():
     """method="auto" on the GPU: a graph-replayed dense decode switches to LOCKS (bulk build, then
     LOCKS's graph captured) at the threshold; the tokens equal the eager engine's doing the same,
     and at a budget covering the context, the dense engine's."""
-    _one_attention_launch(monkeypatch)
     model = _tiny("llama3.1-8b", seed=3).to("cuda")
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    cfg = dict(batch=2, max_context=400)
+    cfg = dict(batch=2, max_context=400, kernels=KernelOptions(dense_launches=ONE_LAUNCH))
     out = {}
     for name, method, budget, graph in (("auto_graph", "auto", 64, True), ("auto_eager", "auto", 64, False),
                                         ("auto_full", "auto", 400, True), ("dense", "dense", 400, True)):
@@ -407,14 +384,15 @@ def test_static_cache_bytes_views_and_random_fill():
     assert bool((k[:, :40] != 0).all()) and bool((k[:, 40:] == 0).all())
     assert cache.seq_lens.tolist() == [40, 40, 40] and cache.full_page_ids().tolist() == [0, 1, 7, 8, 14, 15]
     cache.build(backend="torch")
-    ref = PagedSummaries.empty(cache.num_pages, 2, 64, cfg)
-    build_pages(cache.k[1], ref, cache.full_page_ids(), cfg, backend="torch")
+    ref = SummaryStore.empty(cache.num_pages, 2, 64, cfg)
+    paged_build(cache.k[1], ref, cache.full_page_ids(), cfg, backend="torch")
     assert torch.equal(ref.coef[[7, 8]], cache.summaries[1].coef[[7, 8]])
     with pytest.raises(ValueError, match="random_fill"):
         cache.random_fill(113)
 
 
 def _prefilled(model, ids, build=None):
+    """A prefilled cache; ``build(cache)``: the prefill hook that builds its summaries during it."""
     parts = model_parts(model)
     cache = StaticPagedCache(layers=parts.num_layers, batch=ids.shape[0], num_kv_heads=parts.num_kv_heads,
                              head_dim=parts.head_dim, max_context=ids.shape[1] + 16, config=LocksConfig(budget=32),
@@ -430,22 +408,20 @@ def _prefilled(model, ids, build=None):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_build_during_prefill_equals_build_after_it(backend, monkeypatch):
+def test_build_during_prefill_equals_build_after_it(backend):
     """The prefill hook (overlapped on a side stream on CUDA, inline on the CPU) builds exactly the
     summaries that a build after the prefill does, for every layer."""
     if backend == "triton":
         pytest.importorskip("triton")
-        from kvlocks.summary import triton as build_tri
-
-        # both builds run the same solver, whichever it is; on the CPU interpreter lean takes a third
-        # of the one-sided solver's time (26 vs 76 s here; the solvers: tests/test_kernels.py)
-        monkeypatch.setattr(build_tri, "ROTATION", "lean")
+    # both builds run the same solver, whichever it is; on the CPU interpreter lean takes a third of
+    # the one-sided solver's time (the solvers: tests/test_kernels.py)
+    opts = KernelOptions(build_solver="lean")
     dev = "cuda" if CUDA else "cpu"
     model = _tiny("glm4-9b-1m", seed=2, num_hidden_layers=3).to(dev)
     ids = torch.randint(0, 512, (2, 75), generator=torch.Generator().manual_seed(1)).to(dev)
     after = _prefilled(model, ids)
-    after.build(backend=backend)
-    during = _prefilled(model, ids, lambda c: PrefillBuild(c, ids.shape[1], backend=backend))
+    after.build(backend=backend, options=opts)
+    during = _prefilled(model, ids, lambda c: PrefillBuild(c, ids.shape[1], backend=backend, options=opts))
     full = after.full_page_ids().long()
     assert full.numel() == 2 * 4
     assert torch.equal(after.k, during.k)
@@ -489,6 +465,23 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="batch"):
         eng.prefill(torch.zeros(2, 10, dtype=torch.long))
     assert EngineConfig.from_json(EngineConfig(method="dense").to_json()) == EngineConfig(method="dense")
+    tuned = EngineConfig(kernels=KernelOptions(pdl=False, score_kernel="mma", dense_launches=ONE_LAUNCH))
+    assert EngineConfig.from_json(tuned.to_json()) == tuned
+    with pytest.raises(ValueError, match="EngineConfig.kernels must be a KernelOptions"):
+        EngineConfig(kernels="fast")
+    with pytest.raises(ValueError, match=r"EngineConfig.locks: page_size=32: the Triton kernels support page_size=16"):
+        EngineConfig(locks=LocksConfig(page_size=32, budget=64), backend="triton")
+    with pytest.raises(ValueError, match=r"EngineConfig.locks: head_dim=96: the Triton kernels support head_dim in"):
+        DecodeEngine(_tiny("llama3.1-8b", num_hidden_layers=1, head_dim=96), EngineConfig(backend="triton"))
+    for kw, needle in ((dict(compile_mode_max_batch=-1), "KernelOptions.compile_mode_max_batch=-1: must be >= 0"),
+                       (dict(score_kernel="fast"), "KernelOptions.score_kernel='fast': allowed"),
+                       (dict(build_solver="xor"), "KernelOptions.build_solver='xor': allowed"),
+                       (dict(dense_launches=()), "KernelOptions.dense_launches=\\(\\): need a non-empty"),
+                       (dict(pdl="yes"), "KernelOptions.pdl='yes': allowed True or False")):
+        with pytest.raises(ValueError, match=needle):
+            KernelOptions(**kw)
+    with pytest.raises(ValueError, match=r"DenseLaunch.num_warps=3: allowed \(1, 2, 4, 8, 16\)"):
+        DenseLaunch(num_warps=3)
 
 
 def test_auto_method_picks_dense_below_and_locks_from_its_threshold():
@@ -543,8 +536,8 @@ def test_auto_method_switches_to_locks_when_decode_reaches_its_threshold(monkeyp
     cache, s = eng.cache, eng.cache.page_size
     full = cache.block_table[0, : int(cache.seq_lens[0]) // s]
     for layer in (0, len(cache.summaries) - 1):
-        fresh = PagedSummaries.empty(cache.num_pages, cache.k.shape[-2], cache.k.shape[-1], cache.config)
-        build_pages(cache.k[layer], fresh, full, cache.config, backend="torch")
+        fresh = SummaryStore.empty(cache.num_pages, cache.k.shape[-2], cache.k.shape[-1], cache.config)
+        paged_build(cache.k[layer], fresh, full, cache.config, backend="torch")
         for a, b in zip(cache.summaries[layer]._fields(), fresh._fields()):
             assert torch.equal(a[full.long()], b[full.long()])
 

@@ -131,7 +131,7 @@ def test_import_changes_nothing_in_torch_or_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# ---- the Triton kernel path (issue 5, deliverable 4): forced on the CPU through the interpreter ----
+# ---- the Triton kernel path: forced on the CPU through the interpreter ----
 
 def _tiny_llama(seed=0, layers=1):
     """A small random Llama with the kernels' shapes (D = 64, G = 2), fp32, kvlocks attention.
@@ -201,5 +201,7 @@ def test_kernel_path_only_for_the_kernels_config():
     assert not kernel_path(locks, LocksConfig(basis_bits=8), 64)
     assert not kernel_path(locks, LocksConfig(), 96)
     assert not kernel_path(get_selector("oracle"), LocksConfig(), 64)
+    assert not kernel_path(locks, LocksConfig(page_size=32, budget=64), 64)  # the references run instead
+    assert not kernel_path(locks, LocksConfig(rank=6), 64)
     with pytest.raises(ValueError, match="backend="):
         LocksCache(_tiny_llama().config, method="locks", backend="cuda")

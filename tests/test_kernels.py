@@ -5,7 +5,9 @@ any kernel module is imported; kernel modules are imported by nothing else on th
 sizes. With a GPU the same tests run compiled, at larger sizes.
 """
 
+import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -18,11 +20,11 @@ tl = pytest.importorskip("triton.language")
 
 from kvlocks.attention import reference as attn_ref  # noqa: E402
 from kvlocks.attention import triton as attn_tri  # noqa: E402
-from kvlocks.config import LocksConfig  # noqa: E402
-from kvlocks.dispatch import (  # noqa: E402
-    FUSED_MIN_PAGES, DecodePlan, build_new_pages, build_pages, paged_decode, score_pages, select_pages,
+from kvlocks.cache.layout import SummaryStore  # noqa: E402
+from kvlocks.config import DENSE_LAUNCHES, DenseLaunch, KernelOptions, LocksConfig  # noqa: E402
+from kvlocks.plan import (  # noqa: E402
+    DecodePlan, paged_build, paged_build_new, paged_decode, paged_score, paged_select,
 )
-from kvlocks.cache.layout import PagedSummaries  # noqa: E402
 from kvlocks.scoring import reference as score_ref  # noqa: E402
 from kvlocks.scoring import triton as score_tri  # noqa: E402
 from kvlocks.selection import triton as sel_tri  # noqa: E402
@@ -37,7 +39,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 def _heavy(seconds, *values):
     """A parameter set whose test compiles the one-sided build kernel (minutes with the GPU image's
-    Triton 3.6; ``seconds``: its time on the H200 in session 15): GPU runs start it first (conftest)."""
+    Triton 3.6; ``seconds``: its time on the H200): GPU runs start it first (conftest)."""
     return pytest.param(*values, marks=pytest.mark.compile_heavy(seconds))
 
 # token counts per sequence: the CPU interpreter gets small ones, the GPU real ones
@@ -71,9 +73,9 @@ def make_paged(lens, hkv, g, d, dtype, *, extra=3, seed=0):
 def built_store(k, table, seq, cfg):
     """Summaries of every full page, by the reference build (float64 eigh; on a GPU it runs there:
     the 262,144-token cases took most of a device call's time limit on the CPU)."""
-    store = PagedSummaries.empty(k.shape[0], k.shape[2], k.shape[3], cfg, device=k.device)
+    store = SummaryStore.empty(k.shape[0], k.shape[2], k.shape[3], cfg, device=k.device)
     full = torch.cat([table[b, : int(seq[b]) // S] for b in range(len(seq))])
-    build_pages(k, store, full, cfg, backend="torch")
+    paged_build(k, store, full, cfg, backend="torch")
     return store
 
 
@@ -85,8 +87,8 @@ def test_score_matches_reference(lens, g, d, dtype, rule):
     cfg = LocksConfig(combine=rule)
     q, k, _, table, seq = make_paged(LENS[lens], 2, g, d, dtype)
     store = built_store(k, table, seq, cfg)
-    got = score_pages(q, store, table, seq, combine=rule, backend="triton")
-    exp = score_pages(q, store, table, seq, combine=rule, backend="torch")
+    got = paged_score(q, store, table, seq, combine=rule, backend="triton")
+    exp = paged_score(q, store, table, seq, combine=rule, backend="torch")
     _assert_scores_match(got, exp, seq)
 
 
@@ -104,8 +106,8 @@ def test_score_matches_reference_other_ranks(rank):
     cfg = LocksConfig(rank=rank)
     q, k, _, table, seq = make_paged(LENS["c"], 2, 4, 64, BF16)
     store = built_store(k, table, seq, cfg)
-    got = score_pages(q, store, table, seq, backend="triton")
-    exp = score_pages(q, store, table, seq, backend="torch")
+    got = paged_score(q, store, table, seq, backend="triton")
+    exp = paged_score(q, store, table, seq, backend="torch")
     _assert_scores_match(got, exp, seq)
 
 
@@ -114,11 +116,30 @@ def test_score_kernel_step_sizes_agree(launch):
     """Every step size the autotuner may pick gives the reference's scores (16 is tested above)."""
     q, k, _, table, seq = make_paged(LENS["c"], 2, 3, 128, BF16)
     store = built_store(k, table, seq, LocksConfig())
-    ws = score_tri.score_workspace(len(seq), 2, 3, table.shape[1], q.device)
-    ws["launch"], ws["kernel"] = launch, "mma"  # the Triton three-dot kernel (on CUDA "auto" may pick the CUDA kernel)
-    got = score_pages(q, store, table, seq, backend="triton", workspace=ws)
-    exp = score_pages(q, store, table, seq, backend="torch")
+    mma = KernelOptions(score_kernel="mma")  # the Triton three-dot kernel (on CUDA "auto" may pick the CUDA one)
+    got = score_tri.score_pages_paged(q, store, table, seq, launch=launch, options=mma)
+    exp = paged_score(q, store, table, seq, backend="torch")
     _assert_scores_match(got, exp, seq)
+
+
+def test_score_kernel_choice_and_pins():
+    """``KernelOptions.score_kernel``: "auto" takes the three-dot kernel off CUDA; a pinned kernel that
+    cannot run these queries is refused with what it needs, never replaced by another."""
+    from kvlocks.kernels_support import score_kernel
+
+    q, k, _, table, seq = make_paged(LENS["b"], 2, 4, 64, F32)
+    if not CUDA:
+        assert score_kernel(q, 4, 8, 64) == "mma"
+        with pytest.raises(ValueError, match="score kernel 'cuda' needs CUDA float16/bfloat16"):
+            score_kernel(q, 4, 8, 64, choice="cuda")
+    with pytest.raises(ValueError, match="score kernel 'packed' needs G in 1..16 and rank 8 or 16"):
+        score_kernel(q, 4, 4, 64, choice="packed")
+    with pytest.raises(ValueError, match="score kernel 'fast'"):
+        score_kernel(q, 4, 8, 64, choice="fast")
+    store = built_store(k, table, seq, LocksConfig())
+    got = score_tri.score_pages_paged(q, store, table, seq, options=KernelOptions(score_kernel="packed"),
+                                      launch={"BLOCK": 8})  # float32 queries: the portable unpacking
+    _assert_scores_match(got, paged_score(q, store, table, seq, backend="torch"), seq)
 
 
 @pytest.mark.parametrize("lens,g,d,dtype,dot,coef,block", [
@@ -136,7 +157,7 @@ def test_packed_score_kernel_matches_reference(lens, g, d, dtype, dot, coef, blo
     store = built_store(k, table, seq, LocksConfig())
     got = triton_packed.score_pages_packed(q, store, table, seq, launch={"BLOCK": block}, unpack=1, dot=dot,
                                            coef=coef)
-    exp = score_pages(q, store, table, seq, backend="torch")
+    exp = paged_score(q, store, table, seq, backend="torch")
     _assert_scores_match(got, exp, seq)
 
 
@@ -160,24 +181,26 @@ def test_packed_score_kernel_scales_large_and_small_queries():
         qs = (q * factor).to(BF16)
         got = triton_packed.score_pages_packed(qs, store, table, seq, launch={"BLOCK": 8}, unpack=1, dot="fp16",
                                                scale=1.0 / factor)
-        exp = score_pages(qs, store, table, seq, backend="torch", scale=1.0 / factor)
+        exp = paged_score(qs, store, table, seq, backend="torch", scale=1.0 / factor)
         _assert_scores_match(got, exp, seq)
 
 
-@pytest.mark.skipif(not CUDA, reason="inline PTX unpacking runs on CUDA only (GPU runs: scripts/device/score_probe.py --check)")
+@pytest.mark.skipif(not CUDA, reason="inline PTX unpacking runs on CUDA only")
 def test_packed_score_kernel_ptx_unpack_matches_reference():
+    from kvlocks.kernels_support import score_kernel
     from kvlocks.scoring import triton_packed
 
     for g, d in ((1, 128), (2, 64), (3, 128), (4, 128), (8, 128), (16, 64)):
         q, k, _, table, seq = make_paged(LENS["b"], 2, g, d, BF16)
         store = built_store(k, table, seq, LocksConfig())
-        assert triton_packed.supports(q, g, 8)  # what score_pages runs on CUDA without the CUDA kernel
+        # what score_pages runs on CUDA without the CUDA kernel
+        assert score_kernel(q, g, 8, 64, cuda_library=lambda: False) == "packed"
         got = triton_packed.score_pages_packed(q, store, table, seq, unpack=2)
-        exp = score_pages(q, store, table, seq, backend="torch")
+        exp = paged_score(q, store, table, seq, backend="torch")
         _assert_scores_match(got, exp, seq)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA kernel: needs a GPU (GPU runs: scripts/device/mma_probe.py --check)")
+@pytest.mark.skipif(not CUDA, reason="CUDA kernel: needs a GPU")
 @pytest.mark.parametrize("g,d,dtype,factor", [
     (1, 128, BF16, 1.0), (3, 64, F16, 1.0), (4, 128, BF16, 1.0), (8, 128, BF16, 1.0), (8, 128, F16, 40.0),
     (16, 64, BF16, 1.0), (16, 128, BF16, 1e4), (12, 128, F16, 1e-6),
@@ -190,19 +213,14 @@ def test_cuda_score_kernel_matches_reference(g, d, dtype, factor):
     q, k, _, table, seq = make_paged(LENS["c"], 2, g, d, dtype)
     q = (q.float() * factor).to(dtype)
     store = built_store(k, table, seq, LocksConfig())
-    assert cuda_mma.supports(q, g, store), cuda_mma.unavailable_reason(q.device)
+    assert cuda_mma.available(q.device), cuda_mma.unavailable_reason(q.device)
     scale = 1.0 / (factor * d ** 0.5) if factor != 40.0 else None
-    # default sizing; warps whose tiles end early; several tiles per warp; then the balanced split
-    # (each sequence's tiles evenly over the programs): more programs than the short rows' tiles,
-    # runs of a few tiles, one program per row; and the six-blocks-per-SM variant (D = 128, G <= 8;
-    # elsewhere the request falls back to the default variant)
-    for ppp, balanced, blocks in ((None, False, 1), (16, False, 1), (48, False, 1), (5, True, 1), (100, True, 1),
-                                  (1 << 20, True, 1), (16, False, 6), (48, False, 6), (100, True, 6)):
+    # default sizing; one tile per program (three of the four warps idle); warps whose tiles end
+    # early; one program per row (several tiles per warp)
+    for ppp in (None, 16, 48, 1 << 20):
         ws = None if ppp is None else score_tri.score_workspace(len(seq), 2, g, table.shape[1], q.device, ppp)
-        if ws is not None:
-            ws["balanced"], ws["min_blocks"] = balanced, blocks
         got = cuda_mma.score_pages_mma(q, store, table, seq, scale=scale, workspace=ws)
-        exp = score_pages(q, store, table, seq, backend="torch", scale=scale)
+        exp = paged_score(q, store, table, seq, backend="torch", scale=scale)
         _assert_scores_match(got, exp, seq)
 
 
@@ -234,33 +252,39 @@ SELECT_CASES = [  # (token counts, k, sink, recent, ties, sink_start)
 ]
 
 
-@pytest.mark.parametrize("early,regs,bits,skip", [(False, False, 4, False), (True, False, 4, False),
-                                                  (True, True, 4, False), (False, True, 4, False),
-                                                  (True, True, 5, False), (False, False, 5, False),
-                                                  (True, True, 5, True), (False, False, 4, True),
-                                                  (True, False, 5, True)])
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("lens,k,sink,recent,ties,with_ss", SELECT_CASES)
-def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, early, regs, bits, skip):
+def test_select_matches_reference(lens, k, sink, recent, ties, with_ss, narrow):
+    """The two-launch selection, several chunks per row: the reference's pages. ``narrow`` rows
+    exercise the rebased keys: one row whose keys share the sign, exponent and 12 mantissa bits,
+    one constant row (every key equal: ties broken by index)."""
+    _check_select(lens, k, sink, recent, ties, with_ss, narrow, chunk=32)
+
+
+def test_select_merge_from_l2_matches_reference():
+    """More chunk winners than one register tile holds (25 chunks x 256): the merge's radix passes
+    re-read them from L2; the same pages as the reference."""
+    _check_select([400 * S, 333 * S + 5], 200, 1, 2, True, True, True, chunk=16, regs=False)
+
+
+def _check_select(lens, k, sink, recent, ties, with_ss, narrow, *, chunk, regs=None):
     gen = torch.Generator().manual_seed(k)
     bsz, hkv, max_pages = len(lens), 3, max(-(-n // S) for n in lens)
     ranking = torch.rand(bsz, hkv, max_pages, generator=gen)
     if ties:  # coarse values and many exact zeros (underflowed shares): ties broken by index
         ranking = (ranking * 3).floor() / 3
-    if skip:  # rebased keys: one row narrow (sign, exponent and 12 mantissa bits shared), one constant
-        # (every key equal: ties broken by index), the others as they are
+    if narrow:
         ranking[0, 0] = 0.5 + ranking[0, 0] * 2.0**-13
         ranking[-1, 1] = 0.25
     seq = torch.tensor(lens, dtype=torch.int32)
     ss = torch.randint(0, 4, (bsz,), generator=gen, dtype=torch.int32) if with_ss else None
-    ws = sel_tri.select_workspace(bsz, hkv, max_pages, k, DEV, chunk=32)  # several chunks per row
-    ws["early_exit"] = early  # radix passes stopped once the threshold digit is settled: same pages
-    ws["merge_in_registers"] = regs  # the merge's passes on one register tile (where the winners fit)
-    ws["digit_bits"] = bits  # 4-bit digits (eight passes) or 5-bit (seven, the last 2 bits wide)
-    ws["rebase_keys"] = skip  # radix passes over keys rebased per program (minus the minimum, shifted)
+    ws = sel_tri.select_workspace(bsz, hkv, max_pages, k, DEV, chunk=chunk)  # several chunks per row
+    if regs is not None:  # the merge on one register tile, or from L2
+        assert sel_tri.merge_meta(ws, k, sink, recent)["REGS"] == regs
     dv = [t.to(DEV) if t is not None else None for t in (ranking, seq, ss)]
     got = sel_tri.select_pages_paged(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent,
                                      sink_start=dv[2], workspace=ws)
-    exp = select_pages(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=dv[2],
+    exp = paged_select(dv[0], dv[1], page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=dv[2],
                        backend="torch")
     assert torch.equal(got.cpu(), exp.cpu())
 
@@ -296,31 +320,24 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     _, none_lse, none_rank = score_tri.score_pages_paged(q, store, table, seq, combine=rule, workspace=sw, rank=False)
     assert none_lse is None and none_rank is None
     fw = fused.fused_workspace(bsz, 2, max_pages, k, DEV, chunk=chunk)
-    fw["unroll_heads"] = chunk == 32  # the compile-time loop over the heads, in one case
-    fw["early_exit"] = chunk in (16, 64)  # the early-stopping radix passes, in two cases
-    fw["merge_in_registers"] = chunk in (16, 32)  # the merge on one register tile, in three cases
-    fw["digit_bits"] = 5 if chunk in (32, 64) else 4  # 5-bit radix digits, in two cases
-    fw["rebase_keys"] = chunk in (None, 64)  # radix passes over rebased keys, in three cases
     sel = dict(page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
     got = fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).clone()
-    _, lse, ranking = score_pages(q, store, table, seq, combine=rule, backend="torch")
+    _, lse, ranking = paged_score(q, store, table, seq, combine=rule, backend="torch")
     for b, n in enumerate(LENS[lens]):
         pc = n // S
-        assert torch.allclose(sw["ranking"][b, :, :pc].cpu(), ranking[b, :, :pc].cpu(), rtol=1e-5, atol=1e-30)
-        assert torch.allclose(sw["lse"][b].cpu(), lse[b].cpu(), atol=1e-4) or pc == 0
-    assert torch.equal(got.cpu(), select_pages(sw["ranking"], seq, backend="torch", **sel).cpu())
-    assert torch.equal(got.cpu(), select_pages(ranking, seq, backend="torch", **sel).cpu())
-    assert int(fw["done"].abs().sum()) == 0
+        assert torch.allclose(sw.ranking[b, :, :pc].cpu(), ranking[b, :, :pc].cpu(), rtol=1e-5, atol=1e-30)
+        assert torch.allclose(sw.lse[b].cpu(), lse[b].cpu(), atol=1e-4) or pc == 0
+    assert torch.equal(got.cpu(), paged_select(sw.ranking, seq, backend="torch", **sel).cpu())
+    assert torch.equal(got.cpu(), paged_select(ranking, seq, backend="torch", **sel).cpu())
+    assert int(fw.done.abs().sum()) == 0
     assert torch.equal(fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).cpu(), got.cpu())
 
 
-@pytest.mark.parametrize("early,regs,bits,skip", [(False, False, 4, False), (True, False, 4, False),
-                                                  (True, True, 4, False), (True, True, 5, False),
-                                                  (False, False, 5, False), (True, True, 5, True)])
 @pytest.mark.parametrize("chunk", [16, 64, None])
-def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs, bits, skip):
+def test_rank_and_select_breaks_ties_by_page_index(chunk):
     """Hand-made scores with many exact ties (and statistics of one score program): the fused
-    kernel picks exactly what the reference selection picks from the same ranking."""
+    kernel picks exactly what the reference selection picks from the same ranking (16 pages per
+    program: 13 chunks of 16 winners, the merge on registers; 64: 4 chunks; None: one program)."""
     from kvlocks.selection import fused
 
     gen = torch.Generator().manual_seed(11)
@@ -328,22 +345,18 @@ def test_rank_and_select_breaks_ties_by_page_index(chunk, early, regs, bits, ski
     seq = torch.tensor([pages * S, 150 * S + 7], dtype=torch.int32)
     sw = score_tri.score_workspace(bsz, hkv, g, pages, "cpu", pages_per_program=pages)
     scores = (torch.rand(bsz, hkv, g, pages, generator=gen) * 3).floor() - 40.0  # three levels per head
-    sw["scores"].copy_(scores)
+    sw.scores.copy_(scores)
     s2 = scores * score_tri.LOG2E
     m = s2.amax(-1)
-    sw["stats"].zero_()
-    sw["stats"][:, 0, 0, :g] = m.reshape(bsz * hkv, g)
-    sw["stats"][:, 0, 1, :g] = torch.exp2(s2 - m[..., None]).sum(-1).reshape(bsz * hkv, g)
-    sw = {key: t.to(DEV) if isinstance(t, torch.Tensor) else t for key, t in sw.items()}
+    sw.stats.zero_()
+    sw.stats[:, 0, 0, :g] = m.reshape(bsz * hkv, g)
+    sw.stats[:, 0, 1, :g] = torch.exp2(s2 - m[..., None]).sum(-1).reshape(bsz * hkv, g)
+    sw = dataclasses.replace(sw, **{f: getattr(sw, f).to(DEV) for f in ("scores", "stats", "lse", "ranking")})
     fw = fused.fused_workspace(bsz, hkv, pages, k, DEV, chunk=chunk)
-    fw["early_exit"] = early
-    fw["merge_in_registers"] = regs
-    fw["digit_bits"] = bits
-    fw["rebase_keys"] = skip
     got = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=fw)
-    exp = select_pages(sw["ranking"], seq.to(DEV), page_size=S, k=k, backend="torch")
+    exp = paged_select(sw.ranking, seq.to(DEV), page_size=S, k=k, backend="torch")
     assert torch.equal(got.cpu(), exp.cpu())
-    assert len(torch.unique(sw["ranking"][0, 0])) <= 81  # ties are real: at most 3^4 distinct rankings
+    assert len(torch.unique(sw.ranking[0, 0])) <= 81  # ties are real: at most 3^4 distinct rankings
 
 
 def test_rank_and_select_rejects_bad_arguments():
@@ -359,20 +372,15 @@ def test_rank_and_select_rejects_bad_arguments():
         fused.rank_and_select(sw, seq.long(), page_size=S, k=4)
     with pytest.raises(ValueError, match="workspace is for output"):
         fused.rank_and_select(sw, seq, page_size=S, k=4, workspace=fused.fused_workspace(1, 2, 8, 5, DEV))
-    bad_bits = dict(fused.fused_workspace(1, 2, 8, 4, DEV), digit_bits=6)
-    with pytest.raises(ValueError, match="digit_bits=6: allowed 4 or 5"):
-        fused.rank_and_select(sw, seq, page_size=S, k=4, workspace=bad_bits)
 
 
-@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("lens,g,d,dtype,k", [
     ("a", 1, 64, F32, 2), ("b", 3, 128, BF16, 2), ("c", 4, 64, F16, 3), ("d", 8, 128, BF16, 5),
     ("c", 16, 128, F32, 64),
 ])
-def test_attention_matches_reference(lens, g, d, dtype, k, fused_merge, monkeypatch):
-    """Split-KV decode over page lists and over every page, against the references; also with the
-    merge done by each row's last split (MERGE_IN_KERNEL), whose counters end at zero."""
-    monkeypatch.setattr(attn_tri, "MERGE_IN_KERNEL", fused_merge)
+def test_attention_matches_reference(lens, g, d, dtype, k):
+    """Split-KV decode over page lists and over every page, against the references; with one page
+    per split, up to 7 splits, the same result again on a second launch of the same workspace."""
     q, kc, vc, table, seq = make_paged(LENS[lens], 2, g, d, dtype, seed=k)
     gen = torch.Generator().manual_seed(1)
     bsz, hkv = len(seq), 2
@@ -396,12 +404,11 @@ def test_attention_matches_reference(lens, g, d, dtype, k, fused_merge, monkeypa
         o, lse = attn_ref.dense_decode(q[b].view(hkv, g, d), keys, vals)
         assert torch.allclose(got[0][b].float(), o.reshape(-1, d).float(), atol=tol, rtol=tol)
         assert torch.allclose(got[1][b], lse.reshape(-1), atol=1e-3)
-    # one page per split, up to 7 splits: the merge's steps of 4 splits, the last one partial
+    # one page per split, up to 7 splits
     n_pages = table.shape[1]
-    ws = attn_tri.attention_workspace(bsz, hkv * g, d, n_pages, bsz * hkv, q.dtype, DEV, num_splits=min(7, n_pages),
-                                      ppi=1)
+    ws = attn_tri.attention_workspace(bsz, hkv * g, d, n_pages, bsz * hkv, q.dtype, DEV, launch=DenseLaunch(ppi=1),
+                                      num_splits=min(7, n_pages))
     first = [t.clone() for t in attn_tri.paged_decode(q, kc, vc, table, seq, dense, workspace=ws)]
-    assert int(ws["done"].abs().sum()) == 0  # counters reset by each row's merging program
     again = attn_tri.paged_decode(q, kc, vc, table, seq, dense, workspace=ws)
     assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
     assert torch.allclose(first[0].float(), got[0].float(), atol=tol, rtol=tol)
@@ -424,11 +431,11 @@ def _recon(s):
     return s.centroid_float()[..., None, :] + s.coef_float() @ s.basis_float()
 
 
-@pytest.mark.parametrize("rotation,finish", [("gathers", "dots"), ("lean", "dots"), ("dots", "dots"),
-                                             ("lean", "loop"), ("xor", "dots"), ("xor_unrolled", "dots"),
-                                             _heavy(110, "onesided", "loop")])
+@pytest.mark.parametrize("solver", ["lean", _heavy(110, "onesided")])
 @pytest.mark.parametrize("d,dtype,rank", [(64, F32, 0), (128, BF16, 0), (128, F32, 5), (64, F16, 12)])
-def test_build_matches_reference(d, dtype, rank, rotation, finish):
+def test_build_matches_reference(d, dtype, rank, solver):
+    """Both build solvers against the float64 reference (keys of full rank, or of rank 5 and 12
+    plus a centroid, whose subspace is exact and unique)."""
     gen = torch.Generator().manual_seed(d + rank)
     lead, p = (2,), (3 if not CUDA else 500)
     if rank:  # low-rank pages: the subspace is exact and unique
@@ -438,7 +445,7 @@ def test_build_matches_reference(d, dtype, rank, rotation, finish):
         keys = torch.randn(*lead, p, S, d, generator=gen)
     keys = keys.to(dtype).to(DEV)
     cfg = LocksConfig()
-    got = _cpu(build_tri.build_summaries(keys, cfg, rotation=rotation, finish=finish))
+    got = _cpu(build_tri.build_summaries(keys, cfg, solver=solver))
     keys = keys.cpu()
     ref = build_summaries(keys, cfg)
     kf = keys.float()
@@ -452,27 +459,21 @@ def test_build_matches_reference(d, dtype, rank, rotation, finish):
     assert torch.equal(got.basis_float().norm(dim=-1) > 0, kept)
 
 
-@pytest.mark.skipif(not CUDA, reason="register caps are a CUDA compile option (GPU runs: scripts/device/pending10.sh)")
-@pytest.mark.parametrize("rotation,finish", [("lean", "loop"), ("lean", "dots"), _heavy(230, "onesided", "loop")])
-def test_build_with_register_cap_equals_uncapped(rotation, finish):
-    """A register cap (``maxnreg``, as in the tuner's capped launches and the one-sided default
-    launch) changes register allocation only: the same summaries bit for bit. Capped launches reload
-    the keys after the solver by volatile loads (``RELOAD_VOLATILE``, set by default with a cap), a
-    different program (the finish's products may contract differently): the uncapped reference
-    takes the same reload."""
+@pytest.mark.skipif(not CUDA, reason="a register cap is a CUDA compile option")
+@pytest.mark.parametrize("solver", [_heavy(230, "onesided")])
+def test_build_register_cap_changes_nothing(solver):
+    """The one-sided bulk build's default launch caps the registers (``ONESIDED_LAUNCH``): that
+    changes register allocation only, the summaries equal the uncapped launch's bit for bit."""
     _, k, _, _, _ = make_paged([64 * 1024], 8, 1, 128, BF16, seed=5)
     ids = torch.arange(k.shape[0], dtype=torch.int32, device=DEV)
     cfg = LocksConfig()
     stores = []
-    caps = (128, 144) if rotation == "lean" else (build_tri.ONESIDED_LAUNCH["maxnreg"],)
-    base = {"BP": 1, "num_warps": 1, "RELOAD_VOLATILE": True}
-    for launch in (base, *({**base, "maxnreg": m} for m in caps)):
-        store = PagedSummaries.empty(k.shape[0], 8, 128, cfg, device=DEV)
-        build_tri.build_pages(k, store, ids, launch=launch, finish=finish, rotation=rotation)
+    for launch in ({"BP": 1, "num_warps": 1}, build_tri.ONESIDED_LAUNCH):
+        store = SummaryStore.empty(k.shape[0], 8, 128, cfg, device=DEV)
+        build_tri.build_pages(k, store, ids, launch=launch, solver=solver)
         stores.append(store)
-    for other in stores[1:]:
-        for name in ("basis", "basis_scale", "coef", "coef_scale", "centroid", "centroid_scale"):
-            assert torch.equal(getattr(stores[0], name), getattr(other, name)), name
+    for name in ("basis", "basis_scale", "coef", "coef_scale", "centroid", "centroid_scale"):
+        assert torch.equal(getattr(stores[0], name), getattr(stores[1], name)), name
 
 
 @triton.jit
@@ -494,18 +495,18 @@ def test_build_rounding_is_half_to_even_like_torch_round():
     assert torch.equal(y[:256].cpu(), 2 * torch.round(ties / 2))  # ties go to the even neighbour
 
 
-@pytest.mark.parametrize("rotation", ["lean", _heavy(46, "onesided")])
-def test_incremental_build_builds_just_filled_pages(rotation, monkeypatch):
-    """Both default solvers (one-sided from Triton 3.9, lean before) in the decode-time launch."""
-    monkeypatch.setattr(build_tri, "ROTATION", rotation)
+@pytest.mark.parametrize("solver", ["lean", _heavy(46, "onesided")])
+def test_incremental_build_builds_just_filled_pages(solver):
+    """Both solvers (``KernelOptions.build_solver``; "auto": one-sided from Triton 3.9, lean before)
+    in the decode-time launch."""
     cfg = LocksConfig()
     q, k, _, table, seq = make_paged([2 * S, 3 * S + 1, S - 1, S], 2, 1, 64, F32)
-    store = PagedSummaries.empty(k.shape[0], 2, 64, cfg, device=DEV)
+    store = SummaryStore.empty(k.shape[0], 2, 64, cfg, device=DEV)
     store.coef.fill_(99)
-    build_new_pages(k, store, table, seq, cfg, backend="triton")
-    exp = PagedSummaries.empty(k.shape[0], 2, 64, cfg, device=DEV)
+    paged_build_new(k, store, table, seq, cfg, backend="triton", options=KernelOptions(build_solver=solver))
+    exp = SummaryStore.empty(k.shape[0], 2, 64, cfg, device=DEV)
     exp.coef.fill_(99)
-    build_new_pages(k, exp, table, seq, cfg, backend="torch")
+    paged_build_new(k, exp, table, seq, cfg, backend="torch")
     touched = (exp.coef != 99).flatten(1).any(1)
     assert int(touched.sum()) == 2  # sequences 0 and 3 just filled a page
     assert torch.equal((store.coef != 99).flatten(1).any(1), touched)
@@ -514,16 +515,14 @@ def test_incremental_build_builds_just_filled_pages(rotation, monkeypatch):
     assert float((_recon(store.gather(ids)) - _recon(exp.gather(ids))).abs().max()) < 1e-2
 
 
-@pytest.mark.parametrize("lens,g,budget,fused", [("c", 4, 64, True), ("c", 4, 64, False), ("d", 3, 32, True),
-                                                 ("b", 1, 2048, None)])
-def test_decode_plan_matches_torch_backend(lens, g, budget, fused):
+@pytest.mark.parametrize("lens,g,budget", [("c", 4, 64), ("d", 3, 32), ("b", 1, 2048)])
+def test_decode_plan_matches_torch_backend(lens, g, budget):
     cfg = LocksConfig(budget=budget)
     q, k, v, table, seq = make_paged(LENS[lens], 2, g, 64, F32, seed=3)
     store = built_store(k, table, seq, cfg)
     kw = dict(batch=len(seq), num_kv_heads=2, group=g, head_dim=64, max_pages=table.shape[1], config=cfg,
               dtype=q.dtype, device=DEV)
-    tri, ref = DecodePlan(backend="triton", fused_select=fused, **kw), DecodePlan(backend="torch", **kw)
-    assert tri.fused == (fused if fused is not None else table.shape[1] >= FUSED_MIN_PAGES)
+    tri, ref = DecodePlan(backend="triton", **kw), DecodePlan(backend="torch", **kw)
     out_t = tri.run(q, k, v, store, table, seq)
     out_r = ref.run(q, k, v, store, table, seq)
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
@@ -547,16 +546,12 @@ def test_decode_step_is_graph_capturable():
 
 
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
-@pytest.mark.parametrize("score_pdl", [False, True])
-def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, monkeypatch):
-    """kvlocks.pdl on: the score kernel triggers its dependents (and with SCORE_PDL is launched early
-    itself), the fused selection, the attention and its merge are launched early and wait; eager and
-    graph-replayed steps give bit-for-bit the pages, outputs and LSEs of the same step without PDL,
-    and so does the dense split-KV path."""
+def test_decode_step_with_programmatic_dependent_launch_is_unchanged():
+    """``KernelOptions(pdl=True)``: the score kernel waits for the kernels ahead and triggers its
+    dependents; the fused selection, the attention and its merge are launched early and wait; eager
+    and graph-replayed steps give bit-for-bit the pages, outputs and LSEs of the same step without
+    PDL, and so does the dense split-KV path."""
     from kvlocks import pdl
-    from kvlocks.scoring import cuda_mma
-
-    monkeypatch.setattr(cuda_mma, "SCORE_PDL", score_pdl)
 
     cfg = LocksConfig(budget=2048)
     q, k, v, table, seq = make_paged([100_000, 40_000], 4, 4, 128, BF16, seed=5)
@@ -567,14 +562,12 @@ def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, 
 
     def step(plan):
         out, lse = plan.run(q, k, v, store, table, seq)
-        d_out, d_lse = paged_decode(q, k, v, table, seq, dense_pages, backend="triton")
+        d_out, d_lse = paged_decode(q, k, v, table, seq, dense_pages, backend="triton", options=plan.options)
         return [t.clone() for t in (plan.pages, out, lse, d_out, d_lse)]
 
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    base = step(DecodePlan(**kw))
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.enabled(DEV)
-    plan = DecodePlan(**kw)
+    base = step(DecodePlan(**kw, options=KernelOptions(pdl=False)))
+    assert pdl.enabled(DEV, True)
+    plan = DecodePlan(**kw, options=KernelOptions(pdl=True))
     eager = step(plan)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -588,28 +581,31 @@ def test_decode_step_with_programmatic_dependent_launch_is_unchanged(score_pdl, 
     assert torch.equal(outs[0][0], base[1]) and torch.equal(outs[0][1], base[2])
 
 
-def test_programmatic_dependent_launch_is_off_without_a_hopper_gpu(monkeypatch):
+def test_programmatic_dependent_launch_is_off_without_a_hopper_gpu():
     from kvlocks import pdl
 
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.enabled("cpu") is False
-    if CUDA and torch.cuda.get_device_capability() < (9, 0):
-        assert pdl.enabled("cuda") is False
+    assert pdl.enabled("cpu", True) is False and pdl.enabled("cpu", False) is False
+    if CUDA:
+        assert pdl.enabled("cuda", False) is False
+        if torch.cuda.get_device_capability() < (9, 0):
+            assert pdl.enabled("cuda", True) is False
 
 
-@pytest.mark.parametrize("value,expect", [("1", True), ("0", False), (" 0 ", False), ("true", None), ("", None)])
-def test_programmatic_dependent_launch_switch_from_the_environment(value, expect, monkeypatch):
-    """KVLOCKS_PDL: '1' (default) or '0'; anything else is refused with the allowed values, not read as off."""
-    from kvlocks import pdl
+@pytest.mark.parametrize("value,expect", [("1", True), ("0", False), (" 0 ", False), ("true", None), ("", True)])
+def test_programmatic_dependent_launch_default_from_the_environment(value, expect, monkeypatch):
+    """KVLOCKS_PDL sets KernelOptions.pdl's default: '1' or '0' (unset or empty: '1'); anything else
+    is refused with the allowed values, not read as off. An explicit value wins."""
+    from kvlocks.config import default_kernel_options  # what options=None means, made once per value
 
     monkeypatch.setenv("KVLOCKS_PDL", value)
     if expect is None:
-        with pytest.raises(ValueError, match="KVLOCKS_PDL=.*allowed '1'"):
-            pdl._from_env()
+        with pytest.raises(ValueError, match="KVLOCKS_PDL='true': allowed '1' .* or '0'"):
+            KernelOptions()
     else:
-        assert pdl._from_env() is expect
+        assert KernelOptions().pdl is expect and default_kernel_options().pdl is expect
+    assert KernelOptions(pdl=True).pdl is True
     monkeypatch.delenv("KVLOCKS_PDL")
-    assert pdl._from_env() is True
+    assert KernelOptions().pdl is True
 
 
 def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monkeypatch):
@@ -624,7 +620,7 @@ def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monke
     dense = attn_tri.identity_pages(bsz, hkv, table.shape[1], DEV)
     shape = dict(batch=bsz, num_q_heads=hkv * g, head_dim=d, list_len=table.shape[1], rows=bsz * hkv,
                  dtype=q.dtype, device=DEV)
-    for launch in tune.CANDIDATES:
+    for launch in DENSE_LAUNCHES:
         out, lse = attn_tri.paged_decode(q, kc, vc, table, seq, dense, workspace=tune.workspace_for(launch, **shape))
         for b in range(bsz):
             n = int(seq[b])
@@ -634,12 +630,12 @@ def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monke
             assert torch.allclose(out[b].float(), o.reshape(-1, d).float(), atol=2e-2, rtol=2e-2), launch
             assert torch.allclose(lse[b], ref_lse.reshape(-1), atol=1e-3), launch
 
-    fast, wrong = tune.DenseLaunch(8, 4, 2, 2.0), tune.DenseLaunch(4, 8, 2, 0.5)
+    fast, wrong = DenseLaunch(8, 4, 2, 2.0), DenseLaunch(4, 8, 2, 0.5)
     real = tune.paged_decode
 
     def corrupting(*args, workspace, **kw):  # the `wrong` launch returns a shifted output
         out, lse = real(*args, workspace=workspace, **kw)
-        if workspace["launch"] == {"num_warps": 8, "num_stages": 2} and workspace["ppi"] == 4:
+        if workspace.launch == wrong:
             out = out + 1.0
         return out, lse
 
@@ -648,17 +644,17 @@ def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monke
 
     def timer(run):  # seconds by launch: `wrong` fastest, then `fast`, the rest slower
         ws = run.__defaults__[0]
-        calls.append(ws["splits"])
-        key = (ws["ppi"], ws["launch"]["num_warps"], ws["launch"]["num_stages"])
-        return {(4, 8, 2): 1e-6, (8, 4, 2): 2e-6}.get(key, 5e-6) + 1e-9 * ws["splits"]
+        calls.append(ws.splits)
+        key = (ws.launch.ppi, ws.launch.num_warps, ws.launch.num_stages)
+        return {(4, 8, 2): 1e-6, (8, 4, 2): 2e-6}.get(key, 5e-6) + 1e-9 * ws.splits
 
-    res = tune.fastest_dense(q, [kc], [vc], table, seq, dense, candidates=(fast, wrong, tune.DEFAULT),
+    res = tune.fastest_dense(q, [kc], [vc], table, seq, dense, candidates=(DenseLaunch(), fast, wrong),
                              timer=timer, rounds=3)
-    assert res.launch == fast  # `wrong` timed faster but its output differs
+    assert res.launch == fast  # `wrong` timed faster but its output differs from the first launch's
     assert "output differs" in res.rejected[wrong.label()] and res.times_us[wrong.label()] is None
-    assert res.times_us[fast.label()] == pytest.approx(2 + 1e-3 * res.workspace["splits"])
+    assert res.times_us[fast.label()] == pytest.approx(2 + 1e-3 * res.workspace.splits)
     assert len(calls) == 3 * 2  # rounds x the two launches that passed the check
-    assert res.workspace["ppi"] == 8 and res.workspace["launch"] == {"num_warps": 4, "num_stages": 2}
+    assert res.workspace.launch == fast and res.default == DenseLaunch()
     with pytest.raises(ValueError, match="candidates"):
         tune.fastest_dense(q, [kc], [vc], table, seq, dense, candidates=())
     if CUDA:  # the real timer: CUDA graphs of launches over the layers
@@ -666,3 +662,77 @@ def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monke
         res = tune.fastest_dense(q, [kc, kc], [vc, vc], table, seq, dense)
         assert not res.rejected and all(t > 0 for t in res.times_us.values())
         assert res.times_us[res.launch.label()] == min(res.times_us.values())
+
+
+SUPPORT_CASES = [  # (config, head_dim, reason on the torch backend, reason on the Triton kernels; None = supported)
+    (LocksConfig(), 64, None, None),
+    (LocksConfig(rank=16), 128, None, None),
+    (LocksConfig(), 96, None, "head_dim=96: the Triton kernels support head_dim in (64, 128)"),
+    (LocksConfig(), 63, "head_dim=63: must be even", "head_dim=63: must be even"),
+    (LocksConfig(page_size=32, budget=64), 128, None, "page_size=32: the Triton kernels support page_size=16 only"),
+    (LocksConfig(rank=6), 64, None, "rank=6: the Triton kernels support ranks (1, 2, 4, 8, 16)"),
+    (LocksConfig(basis_bits=8), 64, "basis_bits=4 and coef_bits=8 allowed, got basis_bits=8, coef_bits=8",
+     "basis_bits=4 and coef_bits=8 allowed, got basis_bits=8"),
+]
+
+
+@pytest.mark.parametrize("cfg,d,torch_why,triton_why", SUPPORT_CASES)
+def test_kernel_support_is_one_rule(cfg, d, torch_why, triton_why):
+    """kvlocks.kernels_support.kernel_support is the one rule: the summary store, the decode plan on
+    each backend, the paged build and the Hugging Face cache's kernel path all answer as it does
+    (a ValueError with its reason, or, for the Hugging Face cache, the references as the fallback)."""
+    from kvlocks.integrations.hf import kernel_path
+    from kvlocks.kernels_support import kernel_support
+    from kvlocks.selection.selectors import get_selector
+
+    fields = dict(page_size=cfg.page_size, rank=cfg.rank, head_dim=d, basis_bits=cfg.basis_bits,
+                  coef_bits=cfg.coef_bits)
+    for backend, why in (("torch", torch_why), ("triton", triton_why)):
+        got = kernel_support(**fields, backend=backend)
+        assert (got is None) == (why is None) and (why is None or why in got), (backend, got)
+        plan = dict(batch=1, num_kv_heads=1, group=2, head_dim=d, max_pages=4, config=cfg, dtype=F32, device=DEV,
+                    backend=backend)
+        k = torch.zeros(4, cfg.page_size, 1, d, device=DEV)
+        if why is None:
+            DecodePlan(**plan)
+        else:
+            with pytest.raises(ValueError, match=re.escape(why)):
+                DecodePlan(**plan)
+            with pytest.raises(ValueError, match=re.escape(why)):
+                paged_build(k, None, torch.zeros(1, dtype=torch.int32, device=DEV), cfg, backend=backend)
+    if torch_why is None:
+        SummaryStore.empty(2, 1, d, cfg)
+    else:
+        with pytest.raises(ValueError, match="SummaryStore: .*" + re.escape(torch_why)):
+            SummaryStore.empty(2, 1, d, cfg)
+    assert kernel_path(get_selector("locks"), cfg, d) == (triton_why is None)
+    assert not kernel_path(get_selector("oracle"), cfg, d)
+
+
+def test_environment_is_read_through_one_table(monkeypatch):
+    """Every KVLOCKS_* variable the library reads is a row of kvlocks.env's table and is read through
+    it; a bad value of a 0/1 variable names the variable and what is allowed; unset, the default."""
+    import re as _re
+    from pathlib import Path
+
+    import kvlocks
+    from kvlocks import env
+
+    src = Path(kvlocks.__file__).resolve().parents[1]  # src/: kvlocks and kvlocks_lab
+    for path in src.rglob("*.py"):
+        text = path.read_text()
+        if path.name != "env.py":
+            assert not _re.search(r"(environ\.get|getenv|environ\[)\(?\s*[\"']KVLOCKS_", text), path
+        for name in _re.findall(r"env\.(?:get|flag)\(\s*[\"'](KVLOCKS_\w+)", text):
+            assert name in env.VARIABLES, (path, name)
+    for var in env.VARIABLES.values():
+        assert var.meaning and var.allowed
+    monkeypatch.setenv("KVLOCKS_VLLM_VERIFY", "yes")
+    with pytest.raises(ValueError, match="KVLOCKS_VLLM_VERIFY='yes': allowed '1' or '0'"):
+        env.flag("KVLOCKS_VLLM_VERIFY")
+    monkeypatch.setenv("KVLOCKS_VLLM_VERIFY", "1")
+    assert env.flag("KVLOCKS_VLLM_VERIFY") is True
+    monkeypatch.delenv("KVLOCKS_CACHE", raising=False)
+    assert env.get("KVLOCKS_CACHE") == "~/.cache/kvlocks"
+    with pytest.raises(ValueError, match="'KVLOCKS_NOPE' is not a kvlocks environment variable"):
+        env.get("KVLOCKS_NOPE")

@@ -64,30 +64,13 @@ def test_missing_or_broken_nvcc_is_reported(tmp_path, monkeypatch):
         _nvcc.compile_library(cuda_mma.SOURCE, "sm_90")
 
 
-def test_six_blocks_variant_only_where_compiled():
-    """The six-blocks-per-SM score kernel exists for D = 128, G <= 8, 4 warps; other shapes fall back
-    to the default variant, and other requests are refused with what is allowed."""
-    assert cuda_mma.variant_min_blocks(128, 8, 4, 6) == 6
-    assert cuda_mma.variant_min_blocks(128, 12, 4, 6) == 1  # two n-tiles of heads
-    assert cuda_mma.variant_min_blocks(64, 4, 4, 6) == 1
-    assert cuda_mma.variant_min_blocks(128, 4, 2, 6) == 1
-    assert cuda_mma.variant_min_blocks(128, 4, 4, 1) == 1
-    with pytest.raises(ValueError, match="allowed 1 or 6"):
-        cuda_mma.variant_min_blocks(128, 4, 4, 5)
-
-
-
 @needs_nvcc
-def test_score_kernel_chains_variant_compiles_and_bad_values_are_refused(tmp_path, monkeypatch):
-    """KVLOCKS_SCORE_CHAINS (the projections' accumulator chains, a variant timed on the GPU by
-    scripts/device/mma_probe.py --sources): 4 compiles; any value but 2 or 4 stops the build with the
-    static_assert's message."""
-    monkeypatch.setenv("KVLOCKS_CACHE", str(tmp_path))
-    text = cuda_mma.SOURCE.read_text()
-    four = tmp_path / "score_chains4.cu"
-    four.write_text("#define KVLOCKS_SCORE_CHAINS 4\n" + text)
-    assert hasattr(ctypes.CDLL(str(_nvcc.compile_library(four, "sm_90"))), "kvlocks_score_mma")
-    three = tmp_path / "score_chains3.cu"
-    three.write_text("#define KVLOCKS_SCORE_CHAINS 3\n" + text)
-    with pytest.raises(_nvcc.NvccUnavailable, match="KVLOCKS_SCORE_CHAINS: 2 or 4"):
-        _nvcc.compile_library(three, "sm_90")
+def test_nvcc_and_cache_dir_from_the_environment(tmp_path, monkeypatch):
+    """``KVLOCKS_NVCC`` picks the compiler and ``KVLOCKS_CACHE`` the library cache (both read through
+    kvlocks.env; unset, the cache is ``~/.cache/kvlocks``)."""
+    monkeypatch.setenv("KVLOCKS_NVCC", NVCC)
+    assert _nvcc.find_nvcc() == NVCC
+    monkeypatch.setenv("KVLOCKS_CACHE", str(tmp_path / "c"))
+    assert _nvcc.cache_dir() == tmp_path / "c" / "cuda"
+    monkeypatch.delenv("KVLOCKS_CACHE")
+    assert str(_nvcc.cache_dir()).endswith(".cache/kvlocks/cuda")

@@ -3,18 +3,22 @@
 The CPU tests run the kernels in the Triton interpreter, which does not lower them; code that is
 right in the interpreter can still fail to compile (loop-carried types, casts, layouts). Triton
 compiles ahead of time for a named target with its bundled ptxas, so this checks the compiled path
-of every variant of the selection kernels (the early-stopping radix passes, the register merge,
-5-bit digits and rebased keys included), of the build kernel's options (rotations, the one-sided solver, the dots finish,
-a register cap) and of the attention kernel with its in-kernel merge, on CI.
+of the selection kernels (the merge on registers and from L2), the fused selection, the summary
+build's two solvers (the lean bulk build, the one-sided solver capped as its default launch and in
+the incremental launch) and the attention kernel and its merge, with and without programmatic
+dependent launch, on CI.
 
 The compile runs in a child process: ``tests/test_kernels.py`` sets ``TRITON_INTERPRET=1`` before
 it imports the kernel modules, which turns their ``@triton.jit`` functions into interpreted ones for
 the rest of the test session.
 """
 
+import collections
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,10 +40,13 @@ ATTN_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr": 
              "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "bt_ptr": "*i32", "stride_bt": "i32",
              "seqlen_ptr": "*i32", "pl_ptr": "*i32", "stride_lb": "i32", "stride_lh": "i32", "n_list": "i32",
              "po_ptr": "*fp32", "plse_ptr": "*fp32", "Hkv": "i32", "G": "i32", "n_splits": "i32",
-             "pages_per_split": "i32", "qk_scale": "fp32", "done_ptr": "*i32", "out_ptr": "*bf16", "stride_ob": "i32",
-             "stride_oh": "i32", "lse_ptr": "*fp32"}
+             "pages_per_split": "i32", "qk_scale": "fp32"}
 
 
+BUILD_ARGS = {"k_ptr": "*bf16", "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "ids_ptr": "*i32",
+              "n_items": "i32", "Hkv": "i32", "bt_ptr": "*i32", "stride_bt": "i32", "basis_ptr": "*u8",
+              "bscale_ptr": "*fp16", "coef_ptr": "*i8", "cscale_ptr": "*fp16", "cen_ptr": "*i8",
+              "censcale_ptr": "*fp16", "eig_ptr": "*fp32", "n_sweeps": "i32", "floor2": "fp32"}
 MERGE_KERNEL_ARGS = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32",
                      "stride_oh": "i32", "lse_ptr": "*fp32", "Hq": "i32", "n_splits": "i32"}
 
@@ -54,23 +61,19 @@ def _compile(fn, args: dict, consts: dict, num_warps: int, **options):
 
 
 def main() -> None:
-    """Compile every variant; assert on the PTX. Run by the test in a process without the interpreter."""
+    """Compile every kernel; assert on the PTX. Run by the test in a process without the interpreter."""
     from kvlocks.selection import fused, triton as sel
 
-    for early, regs, bits, rebase in ((False, False, 4, False), (True, True, 4, False), (True, False, 5, True),
-                                      (False, True, 5, False), (True, True, 5, True)):
-        chunk = _compile(sel._chunk_kernel, CHUNK_ARGS,
-                         dict(S=16, K=128, SINK=1, RECENT=1, CH=1024, M=128, HAS_SS=False, EARLY=early, BITS=bits,
-                              REBASE=rebase), 8)
-        merge = _compile(sel._merge_kernel, MERGE_ARGS, dict(MERGE, EARLY=early, REGS=regs, BITS=bits, REBASE=rebase),
-                         8)
-        for k in (chunk, merge):
-            assert len(k.asm["cubin"]) > 1000 and ".target sm_90" in k.asm["ptx"]
-    for early, regs, bits, heads, warps, rebase, pdl in ((False, False, 4, 8, 16, False, False),
-                                                         (True, True, 5, 0, 8, True, True)):
+    chunk = _compile(sel._chunk_kernel, CHUNK_ARGS,
+                     dict(S=16, K=128, SINK=1, RECENT=1, CH=1024, M=128, HAS_SS=False), 8)
+    assert len(chunk.asm["cubin"]) > 1000 and ".target sm_90" in chunk.asm["ptx"]
+    for regs in (False, True):  # the merge from L2 and on registers
+        merge = _compile(sel._merge_kernel, MERGE_ARGS, dict(MERGE, REGS=regs), 8)
+        assert len(merge.asm["cubin"]) > 1000 and ".target sm_90" in merge.asm["ptx"]
+    for regs, heads, warps, pdl in ((False, 8, 16, False), (True, 4, 8, True)):
         k = _compile(fused._rank_select_kernel, FUSED_ARGS,
-                     dict(MERGE, CH=4096, GP=8, RULE=0, BLOCK_K=256, GU=heads, EARLY=early, REGS=regs, BITS=bits,
-                          REBASE=rebase, PDL=pdl), warps, **({"launch_pdl": True} if pdl else {}))
+                     dict(MERGE, CH=4096, GP=8, RULE=0, BLOCK_K=256, GU=heads, REGS=regs, PDL=pdl), warps,
+                     **({"launch_pdl": True} if pdl else {}))
         ptx = k.asm["ptx"]
         assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 1000
         _check_pdl(ptx, pdl)
@@ -87,49 +90,62 @@ def main() -> None:
 
 
 def build_kernels() -> None:
-    """The summary build's variants: rotations (round-robin lean, XOR in a loop and unrolled), the
-    basis/coefficients finish (per rank, dots), and a capped launch with the volatile reload."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "analysis"))
-    import build_sass  # the build kernel's signature and the SASS counts (scripts/analysis/build_sass.py)
-
+    """The summary build: the lean solver as its bulk build compiles (1 item, 1 warp), the one-sided
+    solver as its default bulk launch (ONESIDED_LAUNCH: a register cap) and as the incremental build
+    of pages that fill during decode launches it (4 items, 4 warps)."""
     from kvlocks.summary import triton as bt
 
-    BUILD_ARGS = build_sass.SIGNATURE
     base = dict(S=16, D=128, R=8, BP=1, INCREMENTAL=False, WRITE_EIG=False, PRECISION="tf32x3")
-    for rot, finish, cap in ((2, 0, None), (2, 1, 128), (3, 1, None), (4, 1, 144)):
-        options = {"maxnreg": cap} if cap else {}
-        k = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ROT=rot, FINISH=finish, RELOAD_VOLATILE=cap is not None),
-                     1, **options)
-        ptx = k.asm["ptx"]
-        assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 1000
-        assert (f".maxnreg {cap}" in ptx) == (cap is not None)
-        assert ("ld.volatile.global" in ptx) == (cap is not None)  # the reload after the solver
-        assert ("mma.sync" in ptx) or ("wgmma" in ptx)  # the Gram (and with dots the basis) on tensor cores
+    lean = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ONESIDED=False), 1)
+    ptx = lean.asm["ptx"]
+    assert ".target sm_90" in ptx and len(lean.asm["cubin"]) > 1000
+    assert ("mma.sync" in ptx) or ("wgmma" in ptx)  # the Gram on tensor cores
+    assert ".maxnreg" not in ptx
     # the one-sided solver: with Triton >= 3.9 (what torch 2.13 pins) its row swaps are register moves
     # and its only exchange is the pair sums' butterfly shuffles, so the kernel needs (almost) no shared
-    # memory, where the Gram solvers take 16 KB. Triton 3.6 (the H200 image's) lowers the swaps through
-    # shared memory (2 KB, barriers: docs/results/build_sass_triton36.json), 3x slower there.
-    # Compiled as the default bulk build launches it (ONESIDED_LAUNCH: register cap), and as the
-    # incremental build of pages that fill during decode launches it (4 items, 4 warps).
+    # memory, where the Gram solver takes 16 KB. Triton 3.6 (the H200 image's) lowers the swaps through
+    # shared memory (2 KB, barriers: docs/benchmarks.md), 3x slower there.
     cap = bt.ONESIDED_LAUNCH["maxnreg"]
-    k = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ROT=5, FINISH=0, RELOAD_VOLATILE=True), 1, maxnreg=cap)
-    assert ".target sm_90" in k.asm["ptx"] and "shfl.sync.bfly" in k.asm["ptx"]
-    assert f".maxnreg {cap}" in k.asm["ptx"]
-    inc = _compile(bt._build_kernel, BUILD_ARGS, dict(base, BP=4, INCREMENTAL=True, ROT=5, FINISH=0, RELOAD_VOLATILE=False),
-                   4)
+    one = _compile(bt._build_kernel, BUILD_ARGS, dict(base, ONESIDED=True), 1, maxnreg=cap)
+    assert ".target sm_90" in one.asm["ptx"] and "shfl.sync.bfly" in one.asm["ptx"]
+    assert f".maxnreg {cap}" in one.asm["ptx"]
+    inc = _compile(bt._build_kernel, BUILD_ARGS, dict(base, BP=4, INCREMENTAL=True, ONESIDED=True), 4)
     assert ".target sm_90" in inc.asm["ptx"] and len(inc.asm["cubin"]) > 1000
     import triton
 
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
         return
-    assert k.metadata.shared <= 1024, k.metadata.shared
+    assert one.metadata.shared <= 1024, one.metadata.shared
     # and in its SASS the solver loop's only shared-memory/shuffle-pipe operations are the pair sums'
-    # butterfly shuffles (scripts/analysis/build_sass.py; the Gram solver's loop has shared loads,
-    # stores and barriers)
-    one, lean = build_sass.analyse("onesided"), build_sass.analyse("lean")
-    assert set(one["loop_body_pipe_by_op"]) == {"SHFL.BFLY"}, one["loop_body_pipe_by_op"]
-    assert one["loop_body_pipe_ops"] == 40 * 15  # 8 pair sums x 5 butterfly levels, 15 steps per trip
-    assert any(op.startswith(("LDS", "STS")) for op in lean["loop_body_pipe_by_op"]), lean["loop_body_pipe_by_op"]
+    # butterfly shuffles (the Gram solver's loop has shared loads, stores and barriers)
+    one_loop, lean_loop = _loop_pipe_ops(one.asm["cubin"]), _loop_pipe_ops(lean.asm["cubin"])
+    assert set(one_loop) == {"SHFL.BFLY"}, one_loop
+    assert sum(one_loop.values()) == 40 * 15  # 8 pair sums x 5 butterfly levels, 15 steps per trip
+    assert any(op.startswith(("LDS", "STS")) for op in lean_loop), lean_loop
+
+
+def _loop_pipe_ops(cubin: bytes) -> collections.Counter:
+    """Shared-memory / shuffle-pipe opcodes (``LDS``, ``STS``, ``LDSM``, ``STSM``, ``SHFL``, ``BAR``)
+    of the SASS region the backward branches enclose (the solver loop), from the ``cuobjdump`` that
+    ships with Triton."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(.*?);", text)]
+    index = {a: i for i, (a, _) in enumerate(lines)}
+    loops = []
+    for i, (a, t) in enumerate(lines):
+        m = re.search(r"BRA .*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
+            loops.append((index[int(m.group(1), 16)], i))
+    assert loops, "no loop found in the SASS"
+    lo, hi = min(s for s, _ in loops), max(e for _, e in loops)
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in lines[lo: hi + 1]]
+    return collections.Counter(op for op in ops if op.startswith(("LDS", "STS", "LDSM", "STSM", "SHFL", "BAR")))
 
 
 def _check_pdl(ptx: str, pdl: bool) -> None:
@@ -142,21 +158,17 @@ def _check_pdl(ptx: str, pdl: bool) -> None:
 
 
 def attention_kernels() -> None:
-    """The split-KV attention with and without the merge done by each row's last split, and with and
-    without programmatic dependent launch (also the separate merge kernel)."""
+    """The split-KV attention and its merge kernel, with and without programmatic dependent launch."""
     import triton.language as tl
 
     from kvlocks.attention import triton as at
 
-    for merge, pdl in ((False, False), (True, False), (False, True)):
-        k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=128, S=16, PP=4, DOT_DT=tl.bfloat16, PRECISION="tf32",
-                                                      MERGE=merge, PDL=pdl), 4, num_stages=3,
-                     **({"launch_pdl": True} if pdl else {}))
-        ptx = k.asm["ptx"]
-        assert ".target sm_90" in ptx
-        assert ("atom.global.gpu.acq_rel.add" in ptx) == merge and ("ld.global.cg" in ptx) == merge
-        _check_pdl(ptx, pdl)
     for pdl in (False, True):
+        k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=128, S=16, PP=4, DOT_DT=tl.bfloat16, PRECISION="tf32",
+                                                      PDL=pdl), 4, num_stages=3,
+                     **({"launch_pdl": True} if pdl else {}))
+        assert ".target sm_90" in k.asm["ptx"]
+        _check_pdl(k.asm["ptx"], pdl)
         k = _compile(at._merge_kernel, MERGE_KERNEL_ARGS, dict(D=128, BLOCK_S=32, PDL=pdl), 4,
                      **({"launch_pdl": True} if pdl else {}))
         assert ".target sm_90" in k.asm["ptx"]
@@ -181,8 +193,8 @@ def test_kernels_compile_for_sm90():
 
 
 def test_kernels_compile_for_sm90_with_the_gpu_images_triton():
-    """The same compiles with the H200 image's Triton (3.6), which the GPU sessions run: a kernel
-    that Triton 3.9 accepts can fail there (session 12: a jit helper's constant is no constexpr)."""
+    """The same compiles with the H200 image's Triton (3.6), which the GPU runs use: a kernel that
+    Triton 3.9 accepts can fail there (e.g. a jit helper's module constant that is no constexpr)."""
     if not (DEVICE_TRITON / "triton").is_dir():
         if os.environ.get("KVLOCKS_REQUIRE_DEVICE_TRITON") == "1":
             pytest.fail(f"{DEVICE_TRITON} is missing: bash scripts/setup_device_triton.sh installs it")

@@ -1,8 +1,9 @@
-"""Static sm_90 instruction counts of the summary-build kernel's solvers (CPU only: no GPU needed).
+"""Static sm_90 instruction counts of the summary-build kernel's two solvers (CPU only: no GPU needed).
 
 Compiles ``kvlocks.summary.triton._build_kernel`` ahead of time for the H200 (``GPUTarget("cuda",
 90, 32)``, one page x one warp per program, D = 128, the bulk-build path), disassembles it with
-the ``cuobjdump`` that ships with Triton and counts, for each solver variant:
+the ``cuobjdump`` that ships with Triton and counts, for the lean Gram solver and the one-sided
+solver (``ONESIDED``), both without a register cap:
 
 - the instructions of the Jacobi loop body (its backward branches mark it) and of the rest;
 - the operations that go through the SM's shared-memory / shuffle pipe (``LDS``/``STS``, ``LDSM``/
@@ -12,10 +13,12 @@ the ``cuobjdump`` that ships with Triton and counts, for each solver variant:
 
 Per page: ``loop body x (loop trips)`` + ``rest``; the loop trips are 5 x 15 Jacobi steps for the
 Gram solvers (one step per trip) and 5 for the one-sided solver (its 15 steps unrolled in one
-trip). ``docs/benchmarks.md`` ("Session 11") turns these into the per-layer estimates. JSON to
-``--out``.
+trip). JSON to ``--out``. Run it once per Triton version (the GPU image's 3.6 lowers the one-sided
+solver's row swaps through shared memory, 3.9 keeps them in registers; ``scripts/setup_device_triton.sh``
+puts Triton 3.6 in ``.venv/triton-device``):
 
-    python scripts/analysis/build_sass.py --out docs/results/build_sass.json
+    python scripts/analysis/build_sass.py --out DIR/triton39.json
+    PYTHONPATH=.venv/triton-device:src python scripts/analysis/build_sass.py --out DIR/triton36.json
 """
 
 from __future__ import annotations
@@ -38,9 +41,8 @@ SIGNATURE = {"k_ptr": "*bf16", "stride_kp": "i32", "stride_ks": "i32", "stride_k
              "n_items": "i32", "Hkv": "i32", "bt_ptr": "*i32", "stride_bt": "i32", "basis_ptr": "*u8",
              "bscale_ptr": "*fp16", "coef_ptr": "*i8", "cscale_ptr": "*fp16", "cen_ptr": "*i8",
              "censcale_ptr": "*fp16", "eig_ptr": "*fp32", "n_sweeps": "i32", "floor2": "fp32"}
-# (rotation, finish, loop trips per page at 5 sweeps)
-VARIANTS = {"lean": ("lean", "loop", 75), "lean_dots": ("lean", "dots", 75), "xor_dots": ("xor", "dots", 75),
-            "onesided": ("onesided", "loop", 5)}
+# (ONESIDED, loop trips per page at SWEEPS = 5: one Jacobi step per trip, or 15 unrolled in one)
+VARIANTS = {"lean": (False, 75), "onesided": (True, 5)}
 PIPE = ("LDS", "STS", "LDSM", "STSM", "SHFL", "BAR")
 WIDE = ("LDS.128", "STS.128", "LDSM.16.M88.4", "STSM.16.M88.4")
 
@@ -49,9 +51,9 @@ def cuobjdump() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_variant(rotation: str, finish: str, head_dim: int = 128):
+def compile_variant(onesided: bool, head_dim: int = 128):
     consts = dict(S=16, D=head_dim, R=8, BP=1, INCREMENTAL=False, WRITE_EIG=False, PRECISION="tf32x3",
-                  ROT=bt.ROTATIONS[rotation], FINISH=bt.FINISHES[finish], RELOAD_VOLATILE=False)
+                  ONESIDED=onesided)
     src = ASTSource(fn=bt._build_kernel, signature=dict(SIGNATURE, **{k: "constexpr" for k in consts}),
                     constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
@@ -91,14 +93,14 @@ def registers(cubin: bytes) -> int | None:
 
 
 def analyse(name: str) -> dict:
-    rotation, finish, trips = VARIANTS[name]
-    k = compile_variant(rotation, finish)
+    onesided, trips = VARIANTS[name]
+    k = compile_variant(onesided)
     cubin = k.asm["cubin"]
     ops, span = sass(cubin)
     body, rest = (ops[span[0]: span[1] + 1], ops[: span[0]] + ops[span[1] + 1:]) if span else ([], ops)
     b_n, b_cyc, b_ops = pipe_cost(body)
     r_n, r_cyc, r_ops = pipe_cost(rest)
-    return {"variant": name, "rotation": rotation, "finish": finish, "loop_trips_per_page": trips,
+    return {"variant": name, "onesided": onesided, "loop_trips_per_page": trips,
             "instructions": len(ops), "loop_body_instructions": len(body), "rest_instructions": len(rest),
             "loop_body_pipe_ops": b_n, "loop_body_pipe_cycles": b_cyc, "loop_body_pipe_by_op": b_ops,
             "rest_pipe_ops": r_n, "rest_pipe_cycles": r_cyc, "rest_pipe_by_op": r_ops,
@@ -108,7 +110,7 @@ def analyse(name: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS), help="any of: " + ", ".join(VARIANTS))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

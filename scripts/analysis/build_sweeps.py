@@ -1,8 +1,7 @@
 """How many Jacobi sweeps the summary-build kernel needs, by what LOCKS uses the summaries for.
 
 The Triton build (:mod:`kvlocks.summary.triton`) runs ``SWEEPS`` = 5 parallel-Jacobi sweeps on each
-page's 16 x 16 Gram matrix; the llama3-8b whole-model build at 1M misses its 1 s target by 18%
-(docs/benchmarks.md), and the sweeps are most of its time. The basis is then stored in int4, so the
+page's 16 x 16 Gram matrix, and the sweeps are most of the build's time. The basis is then stored in int4, so the
 question is not how close the eigenvectors are to float64 ones but whether fewer sweeps change
 what the summaries are used for. This runs the kernel in the Triton interpreter (CPU) at several
 sweep counts on
@@ -17,7 +16,7 @@ the centred keys' norm), its difference from the 5-sweep build, the Eq. 4 page s
 absolute error against the exact per-page log-sum-exp, and the overlap of the top-k pages (per
 query head) with the 5-sweep build's and with the exact ranking's. JSON to ``--out``.
 
-    TRITON_INTERPRET=1 .venv/bin/python scripts/analysis/build_sweeps.py --out docs/results/build_sweeps.json
+    TRITON_INTERPRET=1 .venv/bin/python scripts/analysis/build_sweeps.py --out DIR/build_sweeps.json
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is im
 
 import torch  # noqa: E402
 
-from kvlocks.cache.layout import PagedSummaries  # noqa: E402
+from kvlocks.cache.layout import SummaryStore  # noqa: E402
 from kvlocks.config import LocksConfig  # noqa: E402
 from kvlocks.scoring.reference import exact_page_lse, score_pages_from_summaries  # noqa: E402
 from kvlocks.summary import triton as build_tri  # noqa: E402
@@ -39,15 +38,15 @@ from kvlocks.summary import triton as build_tri  # noqa: E402
 S = 16
 
 
-def _build(keys: torch.Tensor, sweeps: int, cfg: LocksConfig, rotation: str = "lean"):
+def _build(keys: torch.Tensor, sweeps: int, cfg: LocksConfig, solver: str = "lean"):
     """keys ``[Hkv, N, D]`` -> reference-layout summaries ``[Hkv, P, ...]`` built by the kernel."""
     hkv, n, d = keys.shape
     p = n // S
     cache = keys.reshape(hkv, p, S, d).permute(1, 2, 0, 3).contiguous()  # [P, S, Hkv, D]
-    store = PagedSummaries.empty(p, hkv, d, cfg)
+    store = SummaryStore.empty(p, hkv, d, cfg)
     ids = torch.arange(p, dtype=torch.int32)
     build_tri.build_pages(cache, store, ids, sweeps=sweeps, launch={"BP": 16, "num_warps": 4},  # per-item results do not depend on BP
-                          rotation=rotation)
+                          solver=solver)
     return store.gather(ids)
 
 
@@ -64,9 +63,9 @@ def _topk_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
 
 
 def study(name: str, keys: torch.Tensor, queries: torch.Tensor, scale: float, sweeps: list[int], k: int,
-          rotations: tuple[str, ...] = ("lean",)) -> list[dict]:
+          solvers: tuple[str, ...] = ("lean",)) -> list[dict]:
     """keys ``[Hkv, N, D]``, queries ``[Hkv, G, D]`` (one decode step's heads) -> one row per
-    (rotation, sweep count); "vs_5" compares with the lean rotations at 5 sweeps, "vs_float64" with
+    (solver, sweep count); "vs_5" compares with the lean solver at 5 sweeps, "vs_float64" with
     the reference build (float64 eigendecomposition, :mod:`kvlocks.summary.build`)."""
     from kvlocks.summary.build import build_summaries
 
@@ -76,22 +75,22 @@ def study(name: str, keys: torch.Tensor, queries: torch.Tensor, scale: float, sw
     centred = pages - pages.mean(dim=-2, keepdim=True)
     exact = exact_page_lse(queries, keys, S, scale=scale)  # [Hkv, G, P]
     built = {}
-    for rot in rotations:
-        for sw in sorted(set(sweeps) | ({5} if rot == "lean" else set())):
+    for sol in solvers:
+        for sw in sorted(set(sweeps) | ({5} if sol == "lean" else set())):
             t0 = time.perf_counter()
-            built[rot, sw] = (_build(keys, sw, cfg, rot), time.perf_counter() - t0)
+            built[sol, sw] = (_build(keys, sw, cfg, sol), time.perf_counter() - t0)
     if ("lean", 5) not in built:
         built["lean", 5] = (_build(keys, 5, cfg), 0.0)
     ref_rec = _recon(built["lean", 5][0])
     ref_scores = score_pages_from_summaries(queries, built["lean", 5][0], scale=scale)
     f64_rec = _recon(build_summaries(pages.double(), cfg)).float()
     rows = []
-    for rot, sw in [(r, w) for r in rotations for w in sweeps]:
-        s, secs = built[rot, sw]
+    for sol, sw in [(r, w) for r in solvers for w in sweeps]:
+        s, secs = built[sol, sw]
         rec = _recon(s)
         scores = score_pages_from_summaries(queries, s, scale=scale)
         rows.append({
-            "case": name, "rotation": rot, "sweeps": sw, "pages": hkv * (n // S), "head_dim": d,
+            "case": name, "solver": sol, "sweeps": sw, "pages": hkv * (n // S), "head_dim": d,
             "recon_err_vs_keys": float((rec - pages).norm() / centred.norm()),
             "recon_diff_vs_5": float((rec - ref_rec).norm() / centred.norm()),
             "recon_diff_vs_float64": float((rec - f64_rec).norm() / centred.norm()),
@@ -132,14 +131,14 @@ def synthetic_cases(pages: int, seed: int) -> list[tuple]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--sweeps", default="3,4,5")
     ap.add_argument("--layers", default="0,7,15,22,29")
     ap.add_argument("--tokens", type=int, default=1024, help="real prompt's prefix tokens (bundled model)")
     ap.add_argument("--synthetic-pages", type=int, default=96)
     ap.add_argument("--k", type=int, default=8, help="pages in the top-k overlap")
-    ap.add_argument("--rotations", default="lean", help="comma-separated keys of summary.triton.ROTATIONS")
+    ap.add_argument("--solvers", default="lean", help="comma-separated build solvers: lean, onesided")
     ap.add_argument("--no-real", action="store_true", help="synthetic pages only (no bundled model)")
     args = ap.parse_args()
     sweeps = [int(x) for x in args.sweeps.split(",")]
@@ -147,10 +146,10 @@ def main() -> None:
     cases = synthetic_cases(args.synthetic_pages, 0)
     if not args.no_real:
         cases += real_cases([int(x) for x in args.layers.split(",")], args.tokens)
-    rotations = tuple(args.rotations.split(","))
+    solvers = tuple(args.solvers.split(","))
     for name, keys, queries, scale in cases:
         rows += study(name, keys.float().contiguous(), queries.float().contiguous(), scale, sweeps, args.k,
-                      rotations)
+                      solvers)
     with open(args.out, "w") as f:
         flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                  for k, v in vars(args).items() if k != "out" and v is not False]

@@ -1,13 +1,11 @@
-"""Why LOCKS over a folded cache lost much more (KL to full) than LOCKS over the full cache.
+"""LOCKS over a folded cache against LOCKS over the full cache: KL to full and per-step diagnostics.
 
 For a few 2K task-suite records on the bundled SmolLM2-135M, with the record's context compacted
 by ``fold@RATIO`` exactly as ``kvlocks eval`` does it (:class:`RecordCompactions`):
 
 1. **KL to full as ``kvlocks eval`` computes it** for ``fold@RATIO+locks`` at each budget: greedy
    decoding, and at the first divergence from full's answer a fork of the cache follows full's
-   tokens. Twice: with the fork as it is now, and with the fork as it was before the fix in
-   :mod:`kvlocks.compaction.serve` (``LocksCache.fork``: a plain cache whose next position is the
-   physical length t + n, not T + n).
+   tokens.
 2. **Teacher-forced KL** (the whole answer fed along full's tokens on one cache, no fork) for
    ``locks`` and ``oracle`` (exact per-page log-sum-exp, reads every key) at each budget over the
    full cache and over the folded cache, and for the folded cache read densely.
@@ -22,13 +20,12 @@ refit; a 2K fold@0.5 fit takes about 5 min on one core.
 
     OMP_NUM_THREADS=1 nice .venv/bin/python scripts/analysis/fold_locks_kl.py \
         --records niah_single_noise:1,niah_multikey:0 --ratio 0.5 --budgets 128,256 \
-        --out docs/results/fold_locks_kl
+        --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import time
@@ -94,19 +91,6 @@ def reference(model, cache, suffix: list[int], max_new: int, eos: set[int]) -> l
             break
         logits = step(model, cache, tokens[-1])
     return tokens
-
-
-@contextlib.contextmanager
-def old_fork():
-    """``kvlocks eval``'s fork at the first divergence as it was before the fix in
-    ``kvlocks.compaction.serve``: ``LocksCache.fork``, a plain ``LocksCache`` that reports the
-    physical length t + n as the next position instead of T + n."""
-    saved = runner.fork_cache
-    runner.fork_cache = lambda cache: LocksCache.fork(cache)
-    try:
-        yield
-    finally:
-        runner.fork_cache = saved
 
 
 @torch.inference_mode()
@@ -201,7 +185,7 @@ def run_record(model, tok, task: str, index: int, args, base: LocksConfig, eos: 
         prefix = rc.get("fold", args.ratio)
     fold = f"fold@{args.ratio:g}"
     row = {"task": task, "index": index, "context_tokens": len(ctx), "suffix_tokens": len(suffix),
-           "answer_tokens": len(ref), "kept": prefix.kept, "eval_kl": {}, "eval_kl_old_fork": {},
+           "answer_tokens": len(ref), "kept": prefix.kept, "eval_kl": {},
            "diverged_at": {}, "tf_kl": {}, "tf_top1": {}, "diag": {}}
 
     def locks_over_fold(sel, b):
@@ -210,9 +194,7 @@ def run_record(model, tok, task: str, index: int, args, base: LocksConfig, eos: 
     for b in args.budgets:
         name = f"{fold}+locks@{b}"
         got = eval_path(model, locks_over_fold("locks", b), suffix, ref, record.max_new_tokens, eos, ref_lp)
-        with old_fork():
-            old = eval_path(model, locks_over_fold("locks", b), suffix, ref, record.max_new_tokens, eos, ref_lp)
-        row["eval_kl"][name], row["eval_kl_old_fork"][name] = got["kl"], old["kl"]
+        row["eval_kl"][name] = got["kl"]
         row["diverged_at"][name] = got["diverged_at"]
 
     def teacher_forced(name, cache):
@@ -244,13 +226,13 @@ def _round(x):
 
 
 def _mean(rows: list[dict]) -> dict:
-    """Means over records of every number under ``eval_kl``, ``eval_kl_old_fork``, ``tf_kl``, ``diag``."""
+    """Means over records of every number under ``eval_kl``, ``tf_kl``, ``diag``."""
     def mean(dicts):
         first = dicts[0]
         if isinstance(first, dict):
             return {k: mean([d[k] for d in dicts]) for k in first}
         return _round(sum(dicts) / len(dicts))
-    return {key: mean([r[key] for r in rows]) for key in ("eval_kl", "eval_kl_old_fork", "tf_kl", "diag")}
+    return {key: mean([r[key] for r in rows]) for key in ("eval_kl", "tf_kl", "diag")}
 
 
 def main(argv=None) -> int:
@@ -278,7 +260,7 @@ def main(argv=None) -> int:
     for item in args.records.split(","):
         task, _, idx = item.partition(":")
         rows.append(_round(run_record(model, tok, task, int(idx), args, base, eos)))
-        print(json.dumps({k: rows[-1][k] for k in ("task", "index", "eval_kl", "eval_kl_old_fork", "tf_kl")}),
+        print(json.dumps({k: rows[-1][k] for k in ("task", "index", "eval_kl", "tf_kl")}),
               flush=True)
     result = {"config": vars(args), "locks_config": repr(base), "model": "smollm2-135m", "dtype": str(model.dtype),
               "versions": {"python": platform.python_version(), "torch": torch.__version__},

@@ -10,7 +10,7 @@ row of each (model or shape, context, batch, method): list the newer runs first.
 the rows by model (first appearance), batch, context (largest first). ``--exclude
 MODEL:CONTEXT:BATCH[@RUN]=REASON`` moves that case's rows (of run RUN only, a row's ``run`` value,
 where given) to ``errors`` with the reason (a measurement known to be invalid, or made under settings
-no longer the default, stays on record, out of the table).
+other than the defaults, stays on record, out of the table).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ early-stopping radix select over order-preserving uint32 keys of the ranking: 5-
 the top, one histogram pass each, stopping once every key left in the threshold digit is chosen.
 Each pass is a chain of block-wide reductions, so the number of passes sets the selection's
 latency. Rankings are GQA mean shares, positive floats of similar magnitude: their keys share the
-sign bit and the exponent's top bits, so the first digit says little. ``REBASE_KEYS`` maps each
+sign bit and the exponent's top bits, so the first digit says little. The kernels rebase each
 program's keys to ``(key - min) << shift`` (the highest differing bit at bit 31; same order).
 
 This emulates the passes (the same digit rule and early stop as the kernel) on synthetic rankings:
@@ -13,7 +13,7 @@ per-head logits ~ N(0, sigma^2) over P pages, softmax per head, mean over G head
 pages choose k, then the merge chooses k of the chunks' winners. It also checks that both key maps
 select the same pages. JSON to ``--out``.
 
-    python scripts/analysis/radix_passes.py --out docs/results/radix_passes.json
+    python scripts/analysis/radix_passes.py --out DIR/radix_passes.json
 """
 
 from __future__ import annotations

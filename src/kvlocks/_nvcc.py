@@ -18,6 +18,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from kvlocks import env
+
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 
 
@@ -26,9 +28,9 @@ class NvccUnavailable(RuntimeError):
 
 
 def find_nvcc() -> str | None:
-    env = os.environ.get("KVLOCKS_NVCC")
-    if env:
-        return env
+    chosen = env.get("KVLOCKS_NVCC")
+    if chosen:
+        return chosen
     for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
@@ -36,7 +38,7 @@ def find_nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVLOCKS_CACHE", Path.home() / ".cache" / "kvlocks")) / "cuda"
+    return Path(env.get("KVLOCKS_CACHE")).expanduser() / "cuda"
 
 
 @lru_cache(maxsize=None)

@@ -37,18 +37,30 @@ def _missing(name: str, exc: ImportError):
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlocks", description="Cheaper long-context decoding.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; every parser below it shows each option's default in ``--help``.
+
+    ``plugins=False`` leaves out the entry-point commands (their parsers import their packages).
+    """
+    from kvlocks.commands._common import Parser
+
+    parser = Parser(prog="kvlocks", description="Cheaper long-context decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress details and show the libraries' own loading output and warnings")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name in COMMANDS:
         importlib.import_module(f"kvlocks.commands.{name}").add_parser(sub)
-    _add_plugin_commands(sub)
+    if plugins:
+        _add_plugin_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # a product command needs no plugin parser: skipping them keeps the checks before the model
+    # load down to the time of importing torch
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(plugins=command not in COMMANDS).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)

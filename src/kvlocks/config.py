@@ -1,4 +1,5 @@
-"""Validated, frozen configuration for LOCKS sparse decode.
+"""Validated, frozen configuration: LOCKS sparse decode (:class:`LocksConfig`) and how its kernels
+are launched (:class:`KernelOptions`).
 
 Every field is keyword-only; invalid values raise ``ValueError`` naming the field, the value
 and what is allowed, so a typo never turns into a silently different experiment.
@@ -6,8 +7,11 @@ and what is allowed, so a typo never turns into a silently different experiment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
 
+from kvlocks import env
 from kvlocks._config_io import ConfigIO, check_int
 
 COMBINE_RULES = ("mean_share", "max_share", "sum_mass")
@@ -82,3 +86,103 @@ class LocksConfig(ConfigIO):
     def pages_per_step(self) -> int:
         """k: pages attended per (layer, KV head) at one decode step."""
         return self.budget // self.page_size
+
+
+@dataclass(frozen=True)
+class DenseLaunch:
+    """One launch of the split-KV attention kernel (:func:`kvlocks.attention.triton.paged_decode`):
+    pages per inner step, warps, pipeline stages, and the split count as a multiple of the default
+    (about 4 programs per SM)."""
+
+    ppi: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+    split_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("ppi", (1, 2, 4, 8, 16)), ("num_warps", (1, 2, 4, 8, 16))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in allowed:
+                raise ValueError(f"DenseLaunch.{name}={value!r}: allowed {allowed}")
+        check_int("DenseLaunch", "num_stages", self.num_stages, 1, 8)
+        f = self.split_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 64.0:
+            raise ValueError(f"DenseLaunch.split_factor={f!r}: must be a number in (0, 64]")
+
+    def label(self) -> str:
+        return f"ppi{self.ppi}_w{self.num_warps}_s{self.num_stages}_x{self.split_factor:g}"
+
+
+# The dense attention's launches timed at a method's first decode step, the default first: no one
+# launch is fastest everywhere (H200, GLM-4-9B layer at 1M: 8 pages per step and 8 warps 506 us
+# against 597 us for 4 and 4, while the split count decides short contexts; docs/benchmarks.md).
+# Every (ppi, warps, stages) is one Triton compile; split factors reuse it.
+DENSE_LAUNCHES: tuple[DenseLaunch, ...] = tuple(
+    DenseLaunch(ppi, warps, stages, f)
+    for ppi, warps, stages in ((4, 4, 3), (8, 8, 2), (8, 4, 2), (4, 8, 2))
+    for f in (1.0, 2.0, 0.5, 0.25)
+)
+SCORE_KERNELS = ("auto", "cuda", "packed", "mma")
+BUILD_SOLVERS = ("auto", "lean", "onesided")
+
+
+def _pdl_default() -> bool:
+    return env.flag("KVLOCKS_PDL")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelOptions(ConfigIO):
+    """How the decode kernels are launched: the settings that remain choices after measurement.
+    Passed explicitly at plan time (``EngineConfig.kernels``, ``DecodePlan(options=...)``, the
+    ``options=`` of :mod:`kvlocks.plan`'s functions); None there means ``KernelOptions()``.
+
+    Parameters
+    ----------
+    pdl : programmatic dependent launch where the GPU supports it (compute capability >= 9.0, a
+        Triton with the grid-dependency intrinsics; ignored elsewhere): the score kernel, the fused
+        selection, the attention and its merge, and Inductor's kernels of the compiled step pieces.
+        Same outputs either way. Default: ``KVLOCKS_PDL`` (on unless it is ``0``)
+    compile_mode_max_batch : with ``EngineConfig.compile`` on a GPU, batches up to this size compile
+        the step's pieces in Inductor's max-autotune mode, larger ones in the default mode (0: never)
+    dense_launches : split-KV attention launches the tuner times (``EngineConfig.tune_attention``);
+        the first is the launch used untuned and the reference every other one is checked against
+    score_kernel : ``"auto"`` (the CUDA kernel where it runs, else the packed Triton kernel where
+        it runs, else the three-dot Triton kernel: :func:`kvlocks.kernels_support.score_kernel`) or
+        one of ``"cuda"``, ``"packed"``, ``"mma"`` (ValueError where it cannot run)
+    build_solver : the summary build's eigensolver, ``"auto"`` (``"onesided"`` with Triton >= 3.9,
+        ``"lean"`` before), ``"lean"`` or ``"onesided"``; both give the reference's summaries
+    """
+
+    pdl: bool = field(default_factory=_pdl_default)
+    compile_mode_max_batch: int = 1
+    dense_launches: tuple[DenseLaunch, ...] = DENSE_LAUNCHES
+    score_kernel: str = "auto"
+    build_solver: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.pdl not in (True, False):
+            raise ValueError(f"KernelOptions.pdl={self.pdl!r}: allowed True or False")
+        check_int("KernelOptions", "compile_mode_max_batch", self.compile_mode_max_batch, 0, 4096)
+        launches = self.dense_launches
+        if not isinstance(launches, (tuple, list)) or not launches:
+            raise ValueError(f"KernelOptions.dense_launches={launches!r}: need a non-empty tuple of DenseLaunch")
+        launches = tuple(DenseLaunch(**x) if isinstance(x, dict) else x for x in launches)  # from_json
+        for x in launches:
+            if not isinstance(x, DenseLaunch):
+                raise ValueError(f"KernelOptions.dense_launches: {x!r} is not a DenseLaunch")
+        object.__setattr__(self, "dense_launches", launches)
+        if self.score_kernel not in SCORE_KERNELS:
+            raise ValueError(f"KernelOptions.score_kernel={self.score_kernel!r}: allowed {SCORE_KERNELS}")
+        if self.build_solver not in BUILD_SOLVERS:
+            raise ValueError(f"KernelOptions.build_solver={self.build_solver!r}: allowed {BUILD_SOLVERS}")
+
+
+def default_kernel_options() -> KernelOptions:
+    """``KernelOptions()``, made once per value of ``KVLOCKS_PDL`` (what ``options=None`` means in the
+    kernels' entry points, called per layer: no validation on the hot path)."""
+    return _default_options(os.environ.get("KVLOCKS_PDL", ""))
+
+
+@lru_cache(maxsize=8)
+def _default_options(_pdl_env: str) -> KernelOptions:
+    return KernelOptions()

@@ -58,15 +58,19 @@ def encode_task(tokenizer, document: str) -> tuple[list[int], list[int]]:
 
 def run_demo(model, tokenizer, *, budget: int = 256, max_new_tokens: int = 12, methods=("full", "locks", "oracle"),
              progress=None) -> dict:
-    """Answer the planted-fact question with each method; returns a JSON-able report."""
+    """Answer the planted-fact question with each method; returns a JSON-able report.
+
+    ``progress(done, method)``, if given, is called before each method starts (``done`` methods
+    finished, ``method`` the one starting) and as ``progress(len(methods), None)`` at the end.
+    """
     config = LocksConfig(budget=budget)
     document = build_document(tokenizer)
     ctx, suffix = encode_task(tokenizer, document)
     eos = {tokenizer.eos_token_id, *([tokenizer.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tokenizer.get_vocab() else [])}
     rows = {}
-    for method in methods:
+    for i, method in enumerate(methods):
         if progress:
-            progress(method)
+            progress(i, method)
         cache = LocksCache(model.config, method=method, config=config)
         t0 = time.perf_counter()
         res = greedy_answer(model, cache, torch.tensor([ctx], device=model.device), suffix,
@@ -74,6 +78,8 @@ def run_demo(model, tokenizer, *, budget: int = 256, max_new_tokens: int = 12, m
         text = tokenizer.decode([t for t in res.tokens if t not in eos])
         rows[method] = {"answer": text.strip(), "correct": ANSWER in text, "tokens": res.tokens,
                         "seconds": time.perf_counter() - t0, **cache.stats.summary()}
+    if progress:
+        progress(len(methods), None)
     ref = rows.get("full")
     if ref:
         for r in rows.values():

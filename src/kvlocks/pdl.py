@@ -9,40 +9,32 @@ block scheduling with the tail of the kernel ahead.
 
 The LOCKS step is a chain of short, latency-bound kernels per layer (score, fused selection, split-KV
 attention, merge) where each launch boundary costs a few microseconds at short context. With
-``ENABLED``, the score kernel (``score_mma.cu``) and every Triton kernel of the chain trigger their
-dependents right after their own wait, and the selection, attention and merge launches carry the
-attribute. Every kernel launched with it waits before reading anything, and triggers only after its
-own wait, so a kernel that starts early never reads what an earlier kernel has not finished writing.
-(Session 20 timed the score kernel reading its summaries before that wait on steps that build none:
-no gain, removed; commit d6cdcc2 has it.)
-The dense baseline's split-KV attention and merge are the same kernels and get the same launches.
+``KernelOptions.pdl`` (default on; ``KVLOCKS_PDL=0`` turns the default off), the score kernel
+(``score_mma.cu``) and every Triton kernel of the chain are launched with the attribute and trigger
+their dependents right after their own wait. Every kernel launched with it waits before reading
+anything, and triggers only after its own wait, so a kernel that starts early never reads what an
+earlier kernel has not finished writing. The dense baseline's split-KV attention and merge are the
+same kernels and get the same launches.
+
+H200, GLM-4-9B shape, batch 1, whole-model TPOT, modes interleaved on one machine
+(docs/benchmarks.md): 32K LOCKS 7.004 / 6.860 -> 6.578 / 6.603 ms, dense 6.729 / 6.713 -> 6.536 /
+6.571; 1M LOCKS 11.142 -> 10.837. Same pages, outputs and tokens (GPU tests). Reading the summaries
+before the score kernel's wait, on steps that build none, was timed too: no gain (LOCKS 32K 6.324 /
+6.358 vs 6.336 / 6.469 ms).
 """
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 
-# On (``KVLOCKS_PDL=0`` turns it off). H200, GLM-4-9B shape, batch 1, whole-model TPOT, modes
-# interleaved on one machine (session 18, scripts/device/select_ab.py --modes defaults11,pdl,...;
-# docs/results/gpu_session18/call2/): 32K LOCKS 7.004 / 6.860 -> 6.578 / 6.603 ms, dense 6.729 / 6.713
-# -> 6.536 / 6.571; 1M LOCKS 11.142 -> 10.837. Same pages, outputs and tokens (GPU tests).
-def _from_env() -> bool:
-    value = os.environ.get("KVLOCKS_PDL", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"KVLOCKS_PDL={value!r}: allowed '1' (programmatic dependent launch on, the default) or '0'")
-    return value == "1"
 
-
-ENABLED = _from_env()
-
-
-def enabled(device) -> bool:
-    """Whether launches on ``device`` use PDL: ``ENABLED``, a CUDA device of compute capability >= 9.0
-    and a Triton with the grid-dependency intrinsics. Called at every launch: cached per device."""
-    if not ENABLED:
+def enabled(device, on: bool) -> bool:
+    """Whether launches on ``device`` use PDL: ``on`` (``KernelOptions.pdl``), a CUDA device of
+    compute capability >= 9.0 and a Triton with the grid-dependency intrinsics. Called at every
+    launch: cached per device."""
+    if not on:
         return False
     device = device if isinstance(device, torch.device) else torch.device(device)
     if device.type != "cuda":

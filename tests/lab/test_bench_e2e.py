@@ -13,21 +13,22 @@ TINY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_att
             num_key_value_heads=2, head_dim=64, vocab_size=512)
 
 
-def test_bench_e2e_makes_an_eager_fallback_an_error_of_its_case(tmp_path, monkeypatch):
+def test_bench_e2e_makes_an_eager_fallback_an_error_of_its_case(tmp_path):
     """A compiled piece that reaches Dynamo's recompile limit would run eagerly and make its rows
-    slow for a reason the table does not show. The bench raises the limit (RECOMPILE_LIMIT) and
-    turns reaching it into an error of that case: with the limit at 1, the batch-1 case compiles and
-    measures, the batch-2 case (new shapes) is an error naming the limit, and no row of it is kept."""
+    slow for a reason the table does not show. The bench raises the limit (E2EBenchConfig's
+    recompile_limit, 64 by default) and turns reaching it into an error of that case: with the limit
+    at 1, the batch-1 case compiles and measures, the batch-2 case (new shapes) is an error naming
+    the limit, and no row of it is kept."""
     import torch._dynamo
 
-    from kvlocks_lab.bench import e2e
     from kvlocks_lab.bench.e2e import E2EBenchConfig, run_e2e_bench
 
-    monkeypatch.setattr(e2e, "RECOMPILE_LIMIT", 1)
+    assert E2EBenchConfig().recompile_limit == 64
     torch._dynamo.reset()
     tiny = {**TINY, "vocab_size": 1000, "num_hidden_layers": 1}
     cfg = E2EBenchConfig(models=("llama3.1-8b",), contexts=(64,), batches=(1, 2), batch_context=64, budget=32,
-                         steps=3, warmup=1, max_prefill=0, methods=("dense",), compile=True, model_overrides=tiny)
+                         steps=3, warmup=1, max_prefill=0, methods=("dense",), compile=True, model_overrides=tiny,
+                         recompile_limit=1)
     summary = run_e2e_bench(tmp_path, cfg, device="cpu")
     torch._dynamo.reset()
     assert [(r["batch"], r["method"]) for r in summary["rows"]] == [(1, "dense")]
@@ -51,8 +52,9 @@ def test_bench_e2e_rows_on_cpu(tmp_path):
     assert {"config", "device", "versions", "copy_gbps", "rows", "errors"} <= set(summary)
     # how the kernels were launched, so rows made under other settings cannot pass for these: no PDL
     # and the default compile mode on the CPU
-    assert summary["launch"] == {"pdl": False, "score_pdl": False, "inductor_pdl": False,
+    assert summary["launch"] == {"pdl": False, "inductor_pdl": False,
                                  "compile_mode": "max-autotune-no-cudagraphs", "compile_mode_max_batch": 1}
+    assert summary["config"]["kernels"]["score_kernel"] == "auto"  # the KernelOptions the run used
     rows = summary["rows"]
     assert all(r["compiled"] and r["compile_mode"] is None for r in rows)
     assert [(r["context"], r["batch"], r["method"]) for r in rows] == [

@@ -110,20 +110,22 @@ def test_shared_fits_equal_per_method_compaction(methods):
 
 
 def test_bias_solvers_agree_on_a_small_case():
-    """trf (default) and bvls reach the same optimum: objective within 1e-8 relative."""
+    """kvlocks' active-set fit and scipy's trf and bvls reach the same optimum (1e-8 relative)."""
+    from scipy.optimize import lsq_linear
+
     k, v, q = _data(T=300, D=16, n=400, seed=7)
     idx = torch.arange(0, 300, 6)  # t = 50
     z, shift = partition_targets(k, q)
     a = (mass_design(k[idx], q, shift) / z[:, None]).numpy()
-    obj = {}
-    beta = {}
+    beta = {"active_set": fit_bias(k, idx, q).double().numpy()}
     for solver in ("trf", "bvls"):
-        beta[solver] = fit_bias(k, idx, q, solver=solver)
-        w = np.exp(beta[solver].double().numpy())
-        obj[solver] = float(np.sum((a @ w - 1) ** 2))
-    assert CompactionConfig().bias_solver == "trf"
-    assert abs(obj["trf"] - obj["bvls"]) <= 1e-8 * obj["bvls"]
-    assert float((beta["trf"] - beta["bvls"]).abs().max()) < 0.05
+        beta[solver] = np.log(lsq_linear(a, np.ones(a.shape[0]), bounds=(math.exp(-3), math.exp(3)),
+                                         method=solver).x)
+    obj = {s: float(np.sum((a @ np.exp(b) - 1) ** 2)) for s, b in beta.items()}
+    assert CompactionConfig().bias_solver == "active_set"
+    for solver in ("trf", "bvls"):
+        assert abs(obj["active_set"] - obj[solver]) <= 1e-8 * obj[solver]
+        assert float(np.abs(beta["active_set"] - beta[solver]).max()) < 0.05
 
 
 def test_split_holds_out_context_rows_only():

@@ -157,7 +157,7 @@ def test_decoding_over_a_compacted_cache_continues_at_position_T(model_tok, pref
     """Token-by-token steps over the served cache give serve.generate's greedy tokens (ratio 0.5)."""
     from kvlocks.compaction import serve
     from kvlocks.integrations.hf_decode import step
-    from kvlocks_lab.eval.session import SharedPrefill
+    from kvlocks_lab.eval.shared_prefill import SharedPrefill
 
     model, tok = model_tok
     new = tok("\n\nIn one sentence, what is the text above about?\n", add_special_tokens=False).input_ids
@@ -235,7 +235,7 @@ def test_fork_of_a_locks_cache_over_a_compacted_prefix_continues_at_position_T(m
     from kvlocks.compaction import serve
     from kvlocks.config import LocksConfig
     from kvlocks.integrations.hf_decode import step
-    from kvlocks_lab.eval.session import fork_cache
+    from kvlocks_lab.eval.shared_prefill import fork_cache
 
     model, tok = model_tok
     prefix = rc.get("fold", 0.5)

@@ -10,7 +10,10 @@ import math
 
 import torch
 
-from kvlocks._checks import check_same, check_tensor
+from kvlocks._checks import (
+    check_bool_tensor, check_index_tensor, check_positive_int, check_same, check_same_device, check_scale,
+    check_tensor,
+)
 
 
 def _attend(q, k, v, valid, scale):
@@ -23,15 +26,20 @@ def _attend(q, k, v, valid, scale):
     return out, lse
 
 
-def _check_qkv(queries, keys, values):
+def check_qkv(queries, keys, values, token_mask, scale):
+    """Metadata checks only (no host sync): types, dims, shapes, devices, the mask and the scale."""
     check_tensor("queries", queries, 2)
     check_tensor("keys", keys, 2)
     check_tensor("values", values, 2)
     check_same("head_dim", "queries.shape[-1]", queries.shape[-1], "keys.shape[-1]", keys.shape[-1])
     check_same("keys/values shape", "keys", tuple(keys.shape), "values", tuple(values.shape))
     check_same("leading dims", "queries", tuple(queries.shape[:-2]), "keys", tuple(keys.shape[:-2]))
+    check_same_device(queries=queries, keys=keys, values=values, token_mask=token_mask)
     if keys.shape[-2] == 0:
         raise ValueError("empty context: keys has 0 tokens; at least one token is required")
+    if token_mask is not None:
+        check_bool_tensor("token_mask", token_mask, tuple(keys.shape[:-1]), "keys.shape[:-1] ([..., N])")
+    return check_scale(scale)
 
 
 def sparse_decode(
@@ -50,8 +58,8 @@ def sparse_decode(
     ----------
     queries : ``[..., G, D]``
     keys, values : ``[..., N, D]`` token-major
-    page_ids : int64 ``[..., K]`` distinct page ids in ``[0, ceil(N / page_size))``
-    page_size : int
+    page_ids : integer ``[..., K]`` distinct page ids in ``[0, ceil(N / page_size))``
+    page_size : int >= 1
     scale : softmax scale, default ``1/sqrt(D)``
     token_mask : bool ``[..., N]`` optional (False = padding, never attended)
 
@@ -60,7 +68,10 @@ def sparse_decode(
     out : ``[..., G, D]`` in the queries' dtype
     lse : float32 ``[..., G]``, natural-log log-sum-exp of the selected scaled logits
     """
-    _check_qkv(queries, keys, values)
+    scale = check_qkv(queries, keys, values, token_mask, scale)
+    check_positive_int("page_size", page_size)
+    check_index_tensor("page_ids", page_ids)
+    check_same_device(keys=keys, page_ids=page_ids)
     n, d = keys.shape[-2], keys.shape[-1]
     total = -(-n // page_size)
     if page_ids.shape[:-1] != keys.shape[:-2]:
@@ -89,8 +100,8 @@ def dense_decode(
     token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FullKV reference: exact attention over every token. Same shapes as :func:`sparse_decode`."""
-    _check_qkv(queries, keys, values)
-    scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else float(scale)
+    scale = check_qkv(queries, keys, values, token_mask, scale)
+    scale = 1.0 / math.sqrt(keys.shape[-1]) if scale is None else scale
     valid = torch.ones(keys.shape[:-1], dtype=torch.bool, device=keys.device) if token_mask is None else token_mask
     out, lse = _attend(queries, keys, values, valid, scale)
     return out.to(queries.dtype), lse

@@ -2,22 +2,28 @@
 
 ``_attn_kernel``, grid ``(splits, B * Hkv)``: one program holds all G query heads of its KV head
 (padded to GP = 16 rows, the smallest ``tl.dot`` M), walks its share of the page list
-``PPI`` pages (``PPI * S`` tokens) at a time, translates logical page ids through the block table,
+``ppi`` pages (``ppi * S`` tokens) at a time, translates logical page ids through the block table,
 masks tokens past ``seq_lens`` (the partial last page) and ids of -1 (list padding), and keeps an
 online softmax in float32 (exp2 domain). ``_merge_kernel``, grid ``(B * Hq,)``, combines the
-splits by log-sum-exp; with ``MERGE_IN_KERNEL`` the last split of each row to finish does it. The dense split-KV baseline is the same kernel over the identity page list
+splits by log-sum-exp. The dense split-KV baseline is the same kernel over the identity page list
 (a stride-0 ``arange``), so the two differ only in which pages they read.
+
+The merge runs as its own launch. Done instead by each row's last split to finish (an arrival
+counter per row) it was timed slower on the H200 (GLM-4-9B, LOCKS: 11.76 -> 12.19 ms per step at
+1M, 7.74 -> 8.15 at 32K; as a tuner candidate the slowest launch everywhere: docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kvlocks.cache.layout import dot_dtype, token_major_to_paged
+from kvlocks.config import DenseLaunch, KernelOptions, default_kernel_options
 from kvlocks.pdl import enabled as pdl_enabled
 
 LOG2E = 1.4426950408889634
@@ -25,26 +31,13 @@ LN2 = 0.6931471805599453
 # kernels may read module globals only when they are constexpr
 _LN2 = tl.constexpr(LN2)
 _LOG2E = tl.constexpr(LOG2E)
-PPI = 4  # pages per inner step: 64 tokens at S=16, a [16, 64] x [64, D] dot per step
-# the merge of the splits done by each row's last split to finish (an arrival counter per row, as
-# in kvlocks.selection.fused) instead of a second launch: one launch fewer per layer for LOCKS and
-# dense alike (session 5's profile: the merge launch ~4 us per layer for LOCKS's 128 pages, ~10 us
-# for dense at 1M). But that program merges the row's G heads over every split alone (4 splits per
-# step), where the merge launch spreads them over B * Hq programs: it can lose where splits are many
-# (dense at long context). Workspace key "merge_in_kernel". Off: timed on the H200 (session 11,
-# GLM-4-9B, LOCKS) it made the step slower, 11.76 -> 12.19 ms at 1M and 7.74 -> 8.15 at 32K; as a tuner
-# candidate at a half and a quarter of the default split count (session 17) it was the slowest launch
-# everywhere (LOCKS's 128 pages 10.0-13.8 us per layer against 7.2-7.4 us for two launches).
-MERGE_IN_KERNEL = False
 
 
 @triton.jit
 def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, bt_ptr, stride_bt,
                  seqlen_ptr, pl_ptr, stride_lb, stride_lh, n_list, po_ptr, plse_ptr, Hkv, G, n_splits,
-                 pages_per_split, qk_scale, done_ptr, out_ptr, stride_ob, stride_oh, lse_ptr,
-                 GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PP: tl.constexpr,
-                 DOT_DT: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 pages_per_split, qk_scale, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                 PP: tl.constexpr, DOT_DT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched early (kvlocks.pdl): wait for the kernels ahead, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -94,46 +87,6 @@ def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks
     r = (b * Hkv * G + h * G + g).to(tl.int64) * n_splits + split  # [GP] partial-row index
     tl.store(po_ptr + r[:, None] * D + d[None, :], out, mask=gmask[:, None])
     tl.store(plse_ptr + r, lse2, mask=gmask)
-    if MERGE:  # the row's last split to finish merges the row (no second launch)
-        tl.debug_barrier()  # every thread's partials are written before the ticket is taken
-        ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_splits - 1:
-            tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
-            _merge_rows(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, b, h * G + g, gmask,
-                        (b * Hkv * G + h * G + g).to(tl.int64) * n_splits, n_splits, Hkv * G, D, 4)
-
-
-@triton.jit
-def _merge_rows(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, b, heads, hmask, first, n_splits, Hq,
-                D: tl.constexpr, BS: tl.constexpr):
-    """Log-sum-exp merge of ``n_splits`` partials for query heads ``heads [GP]`` of sequence ``b``
-    (partials of head i at rows ``first[i] ..``), ``BS`` splits of every head per step (one
-    ``[GP, BS, D]`` load in flight per step: the row's merge is serial in this one program); loads
-    bypass L1 (``.cg``): other programs of the launch wrote them."""
-    d = tl.arange(0, D)
-    m_all = tl.full(heads.shape, float("-inf"), tl.float32)
-    l_all = tl.zeros(heads.shape, tl.float32)
-    acc = tl.zeros([heads.shape[0], D], tl.float32)
-    for s0 in range(0, n_splits, BS):
-        sp = s0 + tl.arange(0, BS)
-        sm = hmask[:, None] & (sp < n_splits)[None, :]  # [GP, BS]
-        rows = first[:, None] + sp[None, :]
-        ls = tl.load(plse_ptr + rows, mask=sm, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(po_ptr + rows[:, :, None] * D + d[None, None, :], mask=sm[:, :, None], other=0.0,
-                    cache_modifier=".cg")  # [GP, BS, D]
-        m_new = tl.maximum(m_all, tl.max(ls, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(ls - m_safe[:, None])
-        alpha = tl.exp2(m_all - m_safe)
-        l_all = l_all * alpha + tl.sum(w, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
-        m_all = m_new
-    has = l_all > 0.0
-    out = acc / tl.where(has, l_all, 1.0)[:, None]
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    lse = tl.where(has, (m_all + tl.log2(tl.where(has, l_all, 1.0))) * _LN2, float("-inf"))
-    tl.store(lse_ptr + b.to(tl.int64) * Hq + heads, lse, mask=hmask)
 
 
 @triton.jit
@@ -167,28 +120,59 @@ def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, Hq, 
     tl.store(lse_ptr + r, tl.where(has, (m_all + tl.log2(tl.where(has, l_all, 1.0))) * _LN2, float("-inf")))
 
 
-def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: int, rows: int, dtype, device,
-                        num_splits: int | None = None, ppi: int = PPI) -> dict:
-    """Buffers for :func:`paged_decode`: float32 partials ``[B, Hq, splits, D]``, outputs."""
+@dataclass
+class AttentionWorkspace:
+    """Buffers of one split-KV launch shape, allocated once per plan (:func:`attention_workspace`).
+
+    launch : the DenseLaunch it was sized for (pages per inner step, warps, stages)
+    splits : programs per (sequence, KV head); pps : pages per split, a multiple of ``launch.ppi``
+    po, plse : float32 partials ``[B, Hq, splits, D]`` and their LSEs ``[B, Hq, splits]``
+    out : ``[B, Hq, D]`` in the queries' dtype; lse : float32 ``[B, Hq]``
+    """
+
+    launch: DenseLaunch
+    splits: int
+    pps: int
+    po: torch.Tensor
+    plse: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def default_splits(list_len: int, rows: int, device, ppi: int) -> int:
+    """About 4 programs per SM, at least ``ppi`` pages each."""
     device = torch.device(device)
-    if num_splits is None:  # about 4 programs per SM, at least PPI pages each
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        num_splits = max(1, min(-(-list_len // ppi), -(-4 * sms // max(rows, 1))))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, min(-(-list_len // ppi), -(-4 * sms // max(rows, 1))))
+
+
+def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: int, rows: int, dtype, device,
+                        launch: DenseLaunch | None = None, num_splits: int | None = None) -> AttentionWorkspace:
+    """Buffers for :func:`paged_decode` with ``launch`` (default ``DenseLaunch()``) over page lists of
+    ``list_len`` entries and ``rows = B * Hkv``; ``num_splits`` None: :func:`default_splits` times
+    the launch's split factor."""
+    device = torch.device(device)
+    launch = launch or DenseLaunch()
+    ppi = launch.ppi
+    if num_splits is None:
+        base = default_splits(list_len, rows, device, ppi)
+        num_splits = max(1, min(-(-list_len // ppi), round(base * launch.split_factor)))
     pps = -(-(-(-list_len // num_splits)) // ppi) * ppi  # pages per split, a multiple of ppi
     num_splits = max(1, -(-list_len // pps))
-    return {
-        "splits": num_splits, "pps": pps, "ppi": ppi,
-        "po": torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device),
-        "plse": torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device),
-        "out": torch.empty(batch, num_q_heads, head_dim, dtype=dtype, device=device),
-        "lse": torch.empty(batch, num_q_heads, dtype=torch.float32, device=device),
-        "done": torch.zeros(rows, dtype=torch.int32, device=device),  # per-row arrival counters (MERGE_IN_KERNEL)
-    }
+    f32 = dict(dtype=torch.float32, device=device)
+    return AttentionWorkspace(
+        launch=launch, splits=num_splits, pps=pps,
+        po=torch.empty(batch, num_q_heads, num_splits, head_dim, **f32),
+        plse=torch.empty(batch, num_q_heads, num_splits, **f32),
+        out=torch.empty(batch, num_q_heads, head_dim, dtype=dtype, device=device),
+        lse=torch.empty(batch, num_q_heads, **f32),
+    )
 
 
 def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, page_list: torch.Tensor, *, scale: float | None = None,
-                 workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 workspace: AttentionWorkspace | None = None,
+                 options: KernelOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of one decode query per head over the listed pages.
 
     Parameters
@@ -198,10 +182,12 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     block_table : int32 ``[B, max_pages]``; seq_lens : int32 ``[B]``
     page_list : int32 ``[B, Hkv, L]`` logical page ids (any order, distinct; -1 = skip); strides
         may be 0 (the dense baseline passes a broadcast ``arange``)
+    workspace : from :func:`attention_workspace` (allocated here with the default launch when omitted)
+    options : KernelOptions (None: the defaults); ``pdl`` is read
 
     Returns
     -------
-    out : ``[B, Hq, D]`` in the queries' dtype; lse : float32 ``[B, Hq]`` (natural log)
+    out : ``[B, Hq, D]`` in the queries' dtype (the workspace's buffer); lse : float32 ``[B, Hq]``
     """
     bsz, hq, d = queries.shape
     _, s, hkv, _ = k_cache.shape
@@ -211,24 +197,19 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     n_list = page_list.shape[-1]
     ws = workspace or attention_workspace(bsz, hq, d, n_list, bsz * hkv, queries.dtype, queries.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    dt = dot_dtype(k_cache.dtype)
-    out, lse = ws["out"], ws["lse"]
-    fused = bool(ws.get("merge_in_kernel", MERGE_IN_KERNEL))
-    if fused and ws["done"].numel() < bsz * hkv:
-        raise ValueError(f"workspace has {ws['done'].numel()} row counters, the launch needs {bsz * hkv} (B * Hkv)")
-    pdl = pdl_enabled(queries.device)
-    _attn_kernel[(ws["splits"], bsz * hkv)](
+    out, lse, launch = ws.out, ws.lse, ws.launch
+    pdl = pdl_enabled(queries.device, (options or default_kernel_options()).pdl)
+    pdl_launch = {"launch_pdl": True} if pdl else {}
+    _attn_kernel[(ws.splits, bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_table, block_table.stride(0), seq_lens, page_list, page_list.stride(0),
-        page_list.stride(1), n_list, ws["po"], ws["plse"], hkv, g, ws["splits"], ws["pps"], scale * LOG2E,
-        ws["done"], out, out.stride(0), out.stride(1), lse,
-        GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=ws.get("ppi", PPI), DOT_DT=dt,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", MERGE=fused, PDL=pdl,
-        **ws.get("launch", {"num_warps": 4, "num_stages": 3}), **({"launch_pdl": True} if pdl else {}),
+        page_list.stride(1), n_list, ws.po, ws.plse, hkv, g, ws.splits, ws.pps, scale * LOG2E,
+        GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=launch.ppi, DOT_DT=dot_dtype(k_cache.dtype),
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch,
     )
-    if not fused:
-        _merge_kernel[(bsz * hq,)](ws["po"], ws["plse"], out, out.stride(0), out.stride(1), lse, hq, ws["splits"],
-                                   D=d, BLOCK_S=32, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    _merge_kernel[(bsz * hq,)](ws.po, ws.plse, out, out.stride(0), out.stride(1), lse, hq, ws.splits, D=d,
+                               BLOCK_S=32, PDL=pdl, num_warps=4, **pdl_launch)
     return out, lse
 
 

@@ -1,11 +1,12 @@
 """The fastest launch of the split-KV dense decode for one cache, picked by timing every candidate.
 
-The dense baseline must be the fastest dense decode the machine has (issue 6), and no one launch
-configuration of :func:`kvlocks.attention.triton.paged_decode` is fastest everywhere: on the H200
-(session 14, ``docs/benchmarks.md``) 8 pages per step and 8 warps read a 1M-token GLM-4-9B layer in
-506 us against 597 us for the default 4 pages and 4 warps, while the split count decides short
-contexts. :func:`fastest_dense` times each :data:`CANDIDATES` entry on the caller's own cache, checks
-its output against the default launch's, and returns the fastest workspace with every timing.
+The dense baseline must be the fastest dense decode the machine has, and no one launch
+configuration of :func:`kvlocks.attention.triton.paged_decode` is fastest everywhere
+(``KernelOptions.dense_launches``: on the H200 8 pages per step and 8 warps read a 1M-token
+GLM-4-9B layer in 506 us against 597 us for the default 4 pages and 4 warps, while the split
+count decides short contexts; docs/benchmarks.md). :func:`fastest_dense` times each candidate on
+the caller's own cache, checks its output against the first (default) launch's, and returns the
+fastest workspace with every timing.
 
 Timing: one CUDA graph per candidate holding ``reps`` launches that walk the cache's layers in turn
 (as a decode step reads them: a layer smaller than the L2 is not re-read from it), replayed
@@ -21,57 +22,29 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvlocks.attention.triton import PPI, attention_workspace, paged_decode
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseLaunch:
-    """One launch configuration: pages per inner step, warps, pipeline stages, and the split count
-    as a multiple of the default (about 4 programs per SM)."""
-
-    ppi: int = PPI
-    num_warps: int = 4
-    num_stages: int = 3
-    split_factor: float = 1.0
-
-    def label(self) -> str:
-        return f"ppi{self.ppi}_w{self.num_warps}_s{self.num_stages}_x{self.split_factor:g}"
-
-
-DEFAULT = DenseLaunch()
-# every (ppi, warps, stages) is one Triton compile; split factors reuse it
-CANDIDATES: tuple[DenseLaunch, ...] = tuple(
-    DenseLaunch(ppi, warps, stages, f)
-    for ppi, warps, stages in ((4, 4, 3), (8, 8, 2), (8, 4, 2), (4, 8, 2))
-    for f in (1.0, 2.0, 0.5, 0.25)
-)
+from kvlocks.attention.triton import AttentionWorkspace, attention_workspace, paged_decode
+from kvlocks.config import DenseLaunch, KernelOptions, default_kernel_options
 
 
 def workspace_for(launch: DenseLaunch, *, batch: int, num_q_heads: int, head_dim: int, list_len: int, rows: int,
-                  dtype, device) -> dict:
+                  dtype, device) -> AttentionWorkspace:
     """The :func:`paged_decode` workspace of ``launch``."""
-    device = torch.device(device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    base = max(1, min(-(-list_len // launch.ppi), -(-4 * sms // max(rows, 1))))
-    splits = max(1, min(-(-list_len // launch.ppi), round(base * launch.split_factor)))
-    ws = attention_workspace(batch, num_q_heads, head_dim, list_len, rows, dtype, device, num_splits=splits,
-                             ppi=launch.ppi)
-    ws["launch"] = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-    return ws
+    return attention_workspace(batch, num_q_heads, head_dim, list_len, rows, dtype, device, launch=launch)
 
 
 @dataclasses.dataclass
 class TuneResult:
     launch: DenseLaunch
-    workspace: dict
+    workspace: AttentionWorkspace
     times_us: dict  # label -> median microseconds per launch (None: failed to launch)
     rejected: dict  # label -> why (launch error, or output differing from the default's)
+    default: DenseLaunch  # the reference launch (the candidates' first)
 
     def describe(self) -> str:
         t = self.times_us[self.launch.label()]
-        base = self.times_us.get(DEFAULT.label())
-        vs = f", default {base:.1f} us" if base is not None and self.launch != DEFAULT else ""
-        return (f"{self.launch.label()} ({self.workspace['splits']} splits): {t:.1f} us per layer{vs}; "
+        base = self.times_us.get(self.default.label())
+        vs = f", default {base:.1f} us" if base is not None and self.launch != self.default else ""
+        return (f"{self.launch.label()} ({self.workspace.splits} splits): {t:.1f} us per layer{vs}; "
                 f"fastest of {sum(v is not None for v in self.times_us.values())} launches timed")
 
 
@@ -79,21 +52,23 @@ def fastest_dense(q: torch.Tensor, k_layers: Sequence[torch.Tensor], v_layers: S
                   block_table: torch.Tensor, seq_lens: torch.Tensor, page_list: torch.Tensor, *,
                   scale: float | None = None, candidates: Sequence[DenseLaunch] | None = None, reps: int = 8,
                   rounds: int = 5, timer: Callable[[Callable[[], None]], float] | None = None,
-                  atol: float = 1e-2, rtol: float = 1e-2) -> TuneResult:
+                  atol: float = 1e-2, rtol: float = 1e-2, options: KernelOptions | None = None) -> TuneResult:
     """Time every candidate launch of :func:`paged_decode` over ``page_list`` and return the fastest.
 
     Parameters
     ----------
     q : ``[B, Hq, D]`` queries (any values: the kernels' speed does not depend on them)
     k_layers, v_layers : per-layer caches ``[num_pages, S, Hkv, D]`` (one or more layers)
-    candidates : launches to time (default :data:`CANDIDATES`); :data:`DEFAULT` is always timed too
+    candidates : launches to time, the first the reference (default: ``options.dense_launches``)
     timer : ``timer(fn) -> seconds`` for one call of ``fn``; default: a CUDA graph of ``reps`` launches
         (CUDA only). Tests pass their own.
-    atol, rtol : a candidate whose output differs from the default launch's by more than
-        ``atol + rtol |default|`` (the same attention summed in another order differs by the output
+    atol, rtol : a candidate whose output differs from the first launch's by more than
+        ``atol + rtol |first|`` (the same attention summed in another order differs by the output
         dtype's rounding) is rejected, never chosen.
+    options : KernelOptions (None: the defaults); ``pdl`` and, without ``candidates``, ``dense_launches``
     """
-    candidates = CANDIDATES if candidates is None else tuple(candidates)
+    options = options or default_kernel_options()
+    candidates = options.dense_launches if candidates is None else tuple(candidates)
     if not candidates:
         raise ValueError("candidates: need at least one DenseLaunch")
     if len(k_layers) != len(v_layers) or not k_layers:
@@ -102,7 +77,7 @@ def fastest_dense(q: torch.Tensor, k_layers: Sequence[torch.Tensor], v_layers: S
     hkv = k_layers[0].shape[-2]
     shape = dict(batch=bsz, num_q_heads=hq, head_dim=d, list_len=page_list.shape[-1], rows=bsz * hkv,
                  dtype=q.dtype, device=q.device)
-    launches = list(dict.fromkeys([DEFAULT, *candidates]))  # the default first: the reference output
+    launches = list(dict.fromkeys(candidates))  # the first: the reference output
     ref = None
     runs, times, rejected, spaces = {}, {}, {}, {}
     for launch in launches:
@@ -110,7 +85,7 @@ def fastest_dense(q: torch.Tensor, k_layers: Sequence[torch.Tensor], v_layers: S
 
         def run(ws=ws, layer=0):
             return paged_decode(q, k_layers[layer], v_layers[layer], block_table, seq_lens, page_list, scale=scale,
-                                workspace=ws)
+                                workspace=ws, options=options)
 
         try:
             out = run()[0].float()
@@ -135,7 +110,7 @@ def fastest_dense(q: torch.Tensor, k_layers: Sequence[torch.Tensor], v_layers: S
     for label in rejected:
         times[label] = None
     best = min(runs, key=lambda launch: times[launch.label()])
-    return TuneResult(best, spaces[best], times, rejected)
+    return TuneResult(best, spaces[best], times, rejected, launches[0])
 
 
 def _graph_timer(layers: int, reps: int) -> Callable:

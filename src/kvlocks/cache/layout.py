@@ -5,8 +5,10 @@ FlashAttention backend layout, ``kv_cache[0]`` / ``kv_cache[1]``; any strides wi
 last dim work). A sequence ``b`` owns the physical pages ``block_table[b, :ceil(seq_lens[b] / S)]``.
 LOCKS summaries are stored per *physical* page id, so a vLLM block id indexes them directly.
 
-This module holds the summary store and the converters between the paged layout and the
-reference (token-major, ``[..., P, ...]``) layout used by the pure-PyTorch references.
+This module holds the summary store (:class:`SummaryStore`, per physical page; the per-sequence
+reference layout is :class:`kvlocks.summary.types.PageSummaries`) and the converters between the
+paged layout and the reference (token-major, ``[..., P, ...]``) layout used by the pure-PyTorch
+references.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from kvlocks.config import LocksConfig
+from kvlocks.kernels_support import check_config
 from kvlocks.summary.types import PageSummaries
 
 
 @dataclass
-class PagedSummaries:
+class SummaryStore:
     """LOCKS summaries indexed by physical page id (int4 basis, int8 coefficients/centroid).
 
     - ``basis``: uint8 ``[num_pages, Hkv, R, D / 2]``; element ``2i`` in the low nibble of byte
@@ -43,9 +46,10 @@ class PagedSummaries:
 
     @classmethod
     def empty(cls, num_pages: int, num_kv_heads: int, head_dim: int, config: LocksConfig,
-              device=None) -> "PagedSummaries":
-        """Allocate an (uninitialised) store for ``num_pages`` physical pages."""
-        check_kernel_config(config, head_dim)
+              device=None) -> "SummaryStore":
+        """Allocate an (uninitialised) store for ``num_pages`` physical pages (ValueError for a
+        configuration the store cannot hold: :func:`kvlocks.kernels_support.kernel_support`)."""
+        check_config(config, head_dim, backend="torch", owner="SummaryStore")
         n, h, s, r, d = num_pages, num_kv_heads, config.page_size, config.rank, head_dim
         return cls(
             basis=torch.empty(n, h, r, d // 2, dtype=torch.uint8, device=device),
@@ -80,8 +84,8 @@ class PagedSummaries:
         """Bytes a decode step reads per (page, KV head): payload + float16 scales."""
         return sum(t[0, 0].numel() * t.element_size() for t in self._fields())
 
-    def to(self, device) -> "PagedSummaries":
-        return PagedSummaries(*(t.to(device) for t in self._fields()))
+    def to(self, device) -> "SummaryStore":
+        return SummaryStore(*(t.to(device) for t in self._fields()))
 
     def _fields(self):
         return (self.basis, self.basis_scale, self.coef, self.coef_scale, self.centroid, self.centroid_scale)
@@ -112,16 +116,6 @@ class PagedSummaries:
                                              summaries.coef_scale, summaries.centroid,
                                              summaries.centroid_scale)):
             dst.index_copy_(0, idx, src.transpose(0, 1).to(dst.dtype))
-
-
-def check_kernel_config(config: LocksConfig, head_dim: int) -> None:
-    """The kernels support the shipped quantization (int4 basis, int8 coefficients)."""
-    if (config.basis_bits, config.coef_bits) != (4, 8):
-        raise ValueError(
-            f"paged kernels need basis_bits=4 and coef_bits=8, got {config.basis_bits} and {config.coef_bits}"
-        )
-    if head_dim % 2:
-        raise ValueError(f"head_dim={head_dim} must be even for the int4 basis")
 
 
 def token_major_to_paged(x: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,25 +5,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvlocks.commands._common import add_model_args, human_bytes, load_model
+from kvlocks.commands._common import (
+    Progress, add_model_args, check_model_args, check_output_path, human_bytes, load_model, read_text_file,
+    status,
+)
 
 
 def add_parser(sub) -> None:
-    from kvlocks.compaction.config import METHODS, SELECTIONS
+    from kvlocks.compaction.config import BIAS_SOLVERS, METHODS, SELECTIONS
 
     p = sub.add_parser("compact", help="compact the KV cache of a text prefix (AM, fold, ...) to a file")
     add_model_args(p)
     p.add_argument("--input", type=Path, required=True, help="text file: the prefix to compact")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
-    p.add_argument("--method", default="fold", choices=METHODS)
-    p.add_argument("--ratio", type=float, default=0.1, help="fraction of keys kept per KV head")
-    p.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the input")
+    p.add_argument("--method", default="fold", choices=METHODS,
+                   help="fold: AM with the bias folded into the keys (a plain cache); am: keeps the bias; "
+                        "drop, drop_refit, rank1, merge_fold: baselines")
+    p.add_argument("--ratio", type=float, default=0.1, help="fraction of keys kept per KV head, in (0, 1]")
+    p.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the input (default: all)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the text as a user turn of the chat template (and the reference prompts too)")
-    p.add_argument("--selection", default="attention", choices=SELECTIONS)
+    p.add_argument("--selection", default="attention", choices=SELECTIONS,
+                   help="how the kept keys are chosen: by attention mass, or greedily (OMP)")
     p.add_argument("--max-queries", type=int, default=4096, help="reference queries per KV head")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bias-solver", default="bvls", choices=("bvls", "trf"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the reference-query subsample")
+    p.add_argument("--bias-solver", default=BIAS_SOLVERS[0], choices=BIAS_SOLVERS,
+                   help="bounded least-squares solver of the bias fit")
     p.add_argument("--no-repeat", action="store_true", help="skip the 'repeat the context' pass")
     p.add_argument("--self-study-tokens", type=int, default=32,
                    help="greedy answer tokens per self-study prompt (0: prompts only)")
@@ -31,23 +38,16 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _prefix_ids(args, tok):
-    text = args.input.read_text()
-    if not text.strip():
-        raise ValueError(f"--input {args.input} is empty")
+def _prefix_ids(text: str, args, tok):
     if args.chat and tok.chat_template:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids  # [1, T]
     if args.max_tokens is not None:
-        if args.max_tokens < 1:
-            raise ValueError(f"--max-tokens={args.max_tokens}: must be >= 1")
         ids = ids[:, : args.max_tokens]
     return ids
 
 
 def run(args) -> int:
-    from tqdm import tqdm
-
     from kvlocks.compaction.cachefile import save
     from kvlocks.compaction.passes import ReferenceConfig
     from kvlocks.compaction.config import CompactionConfig
@@ -58,19 +58,29 @@ def run(args) -> int:
                               bias_solver=args.bias_solver)
     reference = ReferenceConfig(repeat=not args.no_repeat, self_study_tokens=args.self_study_tokens,
                                 chat=args.chat)
-    if not args.json:
-        print(f"loading {args.model} ...", flush=True)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens={args.max_tokens}: must be >= 1")
+    text = read_text_file("--input", args.input)
+    check_output_path("--out", args.out)
+    check_model_args(args)
     model, tok = load_model(args)
-    ids = _prefix_ids(args, tok)
+    ids = _prefix_ids(text, args, tok)
     steps = 1 + int(reference.repeat) + len(reference.self_study) + model.config.num_hidden_layers
-    bar = tqdm(total=steps, desc="compact", unit="step", disable=args.json)
+    if not args.json:
+        status(f"compacting {ids.shape[1]} tokens with {args.method} (ratio {args.ratio})")
+    bar = Progress(steps, "compact", "step", disable=args.json)
+    calls = 0
 
     def progress(name):
-        bar.set_postfix_str(name)
-        bar.update(1)
+        nonlocal calls
+        bar.update(min(calls, steps), name)
+        calls += 1
 
-    prefix = compact_prefix(model, tok, ids, config, reference=reference, model_id=args.model,
+    local = Path(args.model).expanduser()
+    model_id = str(local.resolve()) if local.is_dir() else args.model  # generate --cache finds it from any folder
+    prefix = compact_prefix(model, tok, ids, config, reference=reference, model_id=model_id,
                             progress=progress)
+    bar.update(steps)
     bar.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save(args.out, prefix)

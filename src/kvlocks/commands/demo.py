@@ -5,33 +5,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvlocks.commands._common import add_model_args, bytes_line, load_model
+from kvlocks.commands._common import (
+    Progress, add_model_args, bytes_line, check_model_args, check_output_path, load_model, status,
+)
+
+METHODS = ("full", "locks", "oracle")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="answer a planted-fact question with full, locks and oracle decode")
     add_model_args(p)
-    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--budget", type=int, default=256,
+                   help="tokens attended per layer and KV head by locks and oracle (a multiple of 16)")
     p.add_argument("--out", type=Path, help="also write the report as JSON here")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from tqdm import tqdm
+    from kvlocks.config import LocksConfig
 
-    from kvlocks.demo import run_demo
-
-    print(f"loading {args.model} ...", flush=True)
+    LocksConfig(budget=args.budget)  # checked before the model loads
+    check_model_args(args)
+    if args.out is not None:
+        check_output_path("--out", args.out)
     model, tok = load_model(args)
-    methods = ("full", "locks", "oracle")
-    bar = tqdm(total=len(methods), desc="methods", unit="method")
-
-    def progress(name):
-        bar.set_postfix_str(name)
-        bar.update(0)
-
-    report = run_demo(model, tok, budget=args.budget, methods=methods, progress=progress)
-    bar.update(len(methods))
+    from kvlocks.demo import run_demo
+    status(f"prefilling the ~4K-token document and decoding the answer with {', '.join(METHODS)}")
+    bar = Progress(len(METHODS), "methods", "method", every=0.0)  # a line per method: each takes 10+ s
+    report = run_demo(model, tok, budget=args.budget, methods=METHODS,
+                      progress=lambda done, name: bar.update(done, name or ""))
     bar.close()
     print(f"\ndocument: {report['context_tokens']} tokens prefilled densely; "
           f"{report['decoded_prompt_tokens']} question tokens + the answer decoded step by step")

@@ -7,18 +7,28 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.commands._common import add_model_args, bytes_line, load_model
+from kvlocks.commands._common import (
+    add_model_args, add_original_fractions, bytes_line, check_model_args, load_model, read_cache_header,
+    read_text_file,
+)
 
 ENGINE_METHODS = ("locks", "dense", "auto")
+# LocksConfig options of this command and their defaults (None in argparse: "given" is visible)
+LOCKS_DEFAULTS = {"budget": 256, "rank": 8, "basis_bits": 4, "combine": "mean_share"}
+TEMPERATURE = 0.7
 
 
 def add_parser(sub) -> None:
-    from kvlocks.integrations.hf import method_names
+    from kvlocks.config import BASIS_BITS, COMBINE_RULES
+    from kvlocks.selection.selectors import SELECTORS
 
+    # kvlocks.integrations.hf.method_names(), without importing transformers before the checks
+    methods = ("full", *sorted(SELECTORS))
     p = sub.add_parser("generate", help="generate with a LOCKS cache and report bytes read")
-    add_model_args(p)
-    p.add_argument("--method", default=None, choices=method_names(), help="selector of the Hugging Face path "
-                   "(default locks)")
+    add_model_args(p, model_help="; with --cache: the model the file was made for")
+    p.add_argument("--method", default=None, choices=methods,
+                   help="selector of the Hugging Face path; full: dense attention over every token "
+                        "(default: locks; with an am/rank1 --cache: full)")
     p.add_argument("--engine", choices=ENGINE_METHODS, default=None,
                    help="greedy decode with the static-cache engine instead (one CUDA graph per step on CUDA; "
                         "locks, dense, or auto: LOCKS from --auto-min-context prompt tokens, dense below)")
@@ -26,29 +36,32 @@ def add_parser(sub) -> None:
                    "length at which one sequence's K/V per layer reaches 80 MB, the H200 crossover)")
     p.add_argument("--compile", action="store_true", help="with --engine: compile the decode step's per-layer "
                    "pieces with torch.compile (slower first step; on a GPU at batch 1 in max-autotune mode)")
-    p.add_argument("--budget", type=int, default=256, help="tokens attended per layer and KV head")
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--basis-bits", type=int, default=4)
-    p.add_argument("--combine", default="mean_share")
+    p.add_argument("--budget", type=int, default=None, help="tokens attended per layer and KV head, a multiple of "
+                   f"the 16-token page (default: {LOCKS_DEFAULTS['budget']}; not used by --method full)")
+    p.add_argument("--rank", type=int, default=None, help="rank of each page's key summary, 1..16 "
+                   f"(default: {LOCKS_DEFAULTS['rank']})")
+    p.add_argument("--basis-bits", type=int, default=None, choices=BASIS_BITS,
+                   help=f"bits per element of the summary basis (default: {LOCKS_DEFAULTS['basis_bits']})")
+    p.add_argument("--combine", default=None, choices=COMBINE_RULES,
+                   help="how the query heads of a GQA group combine their page scores "
+                        f"(default: {LOCKS_DEFAULTS['combine']})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature, with --sample (default: {TEMPERATURE})")
+    p.add_argument("--seed", type=int, default=0, help="torch seed (sampling, and the random selector)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--cache", type=Path,
                    help="compacted prefix (kvlocks compact --out FILE): the prompt continues after it")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from kvlocks.config import LocksConfig
-    from kvlocks.integrations.hf import LocksCache, cache_kwargs
-
-    config = LocksConfig(budget=args.budget, rank=args.rank, basis_bits=args.basis_bits, combine=args.combine)
+def _check_options(args) -> None:
+    """Option combinations, before anything is read or loaded."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
     if args.engine is not None:
@@ -56,15 +69,78 @@ def run(args) -> int:
                                               ("--sample", args.sample)) if given]
         if conflicts:
             raise ValueError(f"--engine decodes greedily with its own method: drop {', '.join(conflicts)}")
+        if args.auto_min_context is not None and args.engine != "auto":
+            raise ValueError("--auto-min-context applies to --engine auto only")
     elif args.auto_min_context is not None:
         raise ValueError("--auto-min-context applies to --engine auto only")
     elif args.compile:
         raise ValueError("--compile applies to --engine only (the Hugging Face path is not compiled)")
-    args.method = args.method or "locks"
-    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    if args.auto_min_context is not None and args.auto_min_context < 1:
+        raise ValueError(f"--auto-min-context={args.auto_min_context}: must be >= 1")
+    if args.temperature is not None:
+        if not args.sample:
+            raise ValueError("--temperature applies to --sample only (greedy decoding has no temperature)")
+        if not args.temperature > 0:
+            raise ValueError(f"--temperature={args.temperature}: must be > 0")
+
+
+def _locks_config(args, dense: str | None):
+    """The LocksConfig from the options given; ``dense`` names the dense mode, whose run has no
+    use for them: giving one there is an error, not a silently ignored option."""
+    from kvlocks.config import LocksConfig
+
+    given = [k for k in LOCKS_DEFAULTS if getattr(args, k) is not None]
+    if dense and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{dense} attends every token, so {flags} would be unused; drop "
+                         f"{'it' if len(given) == 1 else 'them'}, or choose a selector (e.g. --method locks)")
+    return LocksConfig(**{k: LOCKS_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)
+                          for k in LOCKS_DEFAULTS})
+
+
+def _cache_method(args, header: dict) -> str:
+    """The method for a --cache file: a biased (am/rank1) prefix needs dense attention."""
+    if header["method"] in ("am", "rank1"):
+        if args.method not in (None, "full"):
+            raise ValueError(
+                f"--method {args.method}: {args.cache} holds a {header['method']!r} cache, whose logit bias "
+                "needs dense attention; use --method full, or compact with --method fold")
+        return "full"
+    return args.method or "locks"
+
+
+def _cache_model(args, header: dict) -> None:
+    """Without --model, a --cache file's own model (if it is a bundled name or a directory here)."""
+    from kvlocks.models import check
+
+    if args.model is not None:
+        return
+    try:
+        check(header["model_id"])
+    except (ValueError, FileNotFoundError):
+        raise ValueError(f"--cache {args.cache} was made for model {header['model_id']!r}, which is "
+                         "neither a bundled model nor a directory here; pass --model") from None
+    args.model = header["model_id"]
+
+
+def run(args) -> int:
+    _check_options(args)
+    header = None
+    if args.cache is not None:
+        header = read_cache_header(args.cache)
+        args.method = _cache_method(args, header)
+        _cache_model(args, header)
+    if args.engine is None:
+        args.method = args.method or "locks"
+    dense = ("--method full" if args.method == "full" else "--engine dense" if args.engine == "dense" else None)
+    config = _locks_config(args, dense)
+    prompt = args.prompt if args.prompt is not None else read_text_file("--prompt-file", args.prompt_file)
     if not prompt.strip():
         raise ValueError("the prompt is empty")
+    check_model_args(args)
     model, tok = load_model(args)
+    from kvlocks.integrations.hf import LocksCache, cache_kwargs
+
     if not args.raw and tok.chat_template:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
@@ -84,21 +160,30 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
     if args.sample:
-        gen["temperature"] = args.temperature
+        gen["temperature"] = TEMPERATURE if args.temperature is None else args.temperature
     out = model.generate(**inputs, **gen, **cache_kwargs(model, cache))
     text = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     stats = cache.stats.summary() if hasattr(cache, "stats") else {}
+    if prefix is not None:
+        stats = add_original_fractions(stats, prefix["T"], prefix["t"])
     if args.json:
         print(json.dumps({"method": args.method, "config": json.loads(config.to_json()),
                           "prompt_tokens": enc.input_ids.shape[1], "text": text, "stats": stats,
                           "prefix": prefix}))
     else:
         print(text)
-        line = bytes_line(stats) if stats else "dense SDPA with the prefix's logit bias as attn_mask"
-        head = "" if prefix is None else (
-            f"after the {prefix['compaction']} prefix of {prefix['T']} tokens ({prefix['t']} entries); ")
-        print(f"\n[{args.method}] {head}prompt {enc.input_ids.shape[1]} tokens; {line}")
+        print(f"\n[{args.method}] {_summary_line(stats, prefix, enc.input_ids.shape[1])}")
     return 0
+
+
+def _summary_line(stats: dict, prefix: dict | None, prompt_tokens: int) -> str:
+    if prefix is None:
+        return f"prompt {prompt_tokens} tokens; {bytes_line(stats)}"
+    head = (f"after the {prefix['compaction']} prefix of {prefix['T']} tokens ({prefix['t']} entries per "
+            f"layer and KV head, {100 * prefix['t'] / prefix['T']:.1f}%); prompt {prompt_tokens} tokens; ")
+    if stats:
+        return head + bytes_line(stats, original=prefix)
+    return head + "dense SDPA over the compacted entries with the prefix's logit bias as attn_mask"
 
 
 def _run_engine(args, model, tok, ids, config) -> int:

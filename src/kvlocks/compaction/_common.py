@@ -34,9 +34,9 @@ def logits(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | 
     -------
     Tensor [n, t], ``dtype``
     """
-    out = (q.to(dtype) @ k.to(dtype).T) * scale  # [n, t]
+    out = (q.to(dtype) @ k.to(dtype).T).mul_(scale)  # [n, t]; in place: n x T can be 64 MB
     if bias is not None:
-        out = out + bias.to(dtype)[None, :]
+        out.add_(bias.to(dtype)[None, :])
     return out
 
 

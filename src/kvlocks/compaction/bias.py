@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
-from scipy.optimize import lsq_linear
 
 from ._common import default_scale, logits
+from .config import BIAS_SOLVERS
+from .solvers import bounded_lstsq
 
 
 def partition_targets(keys: torch.Tensor, q: torch.Tensor, *, scale: float | None = None
@@ -46,7 +46,7 @@ def partition_targets(keys: torch.Tensor, q: torch.Tensor, *, scale: float | Non
     s = default_scale(q.shape[-1], scale)
     lg = logits(q, keys, s, dtype=torch.float64)  # [n, T]
     shift = lg.max(dim=1).values  # [n]
-    z = torch.exp(lg - shift[:, None]).sum(dim=1)  # [n]
+    z = lg.sub_(shift[:, None]).exp_().sum(dim=1)  # [n]; in place: [n, T] float64 is the big one
     return z, shift
 
 
@@ -70,17 +70,18 @@ def mass_design(kept_keys: torch.Tensor, q: torch.Tensor, shift: torch.Tensor, *
     """
     s = default_scale(q.shape[-1], scale)
     lg = logits(q, kept_keys, s, dtype=torch.float64)  # [n, t]
-    return torch.exp(lg - shift.to(torch.float64)[:, None])
+    return lg.sub_(shift.to(torch.float64)[:, None]).exp_()  # in place
 
 
 def fit_bias(keys: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, *,
              scale: float | None = None, beta_min: float = -3.0, beta_max: float = 3.0,
-             solver: str = "trf") -> torch.Tensor:
+             solver: str = "active_set") -> torch.Tensor:
     """Box-constrained least-squares fit of the kept keys' logit biases.
 
     Solves ``min_w sum_j ((A w)_j / Z_j - 1)^2`` subject to
-    ``exp(beta_min) <= w_i <= exp(beta_max)`` with ``scipy.optimize.lsq_linear`` in float64,
-    and returns ``beta = log w``. See the module docstring for the row scaling.
+    ``exp(beta_min) <= w_i <= exp(beta_max)`` in float64 with
+    :func:`~.solvers.bounded_lstsq` (started from ``w = 1``, i.e. beta = 0) and returns
+    ``beta = log w``. See the module docstring for the row scaling.
 
     Parameters
     ----------
@@ -95,9 +96,8 @@ def fit_bias(keys: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, *,
     beta_min, beta_max : float
         Box for beta (beta_min < beta_max).
     solver : str
-        ``"trf"`` (interior trust region; default) or ``"bvls"`` (exact active set). They
-        reach the same optimum (objectives within 2.1e-11 relative on real heads); trf is
-        3-6x faster once t is a few hundred (see ``CompactionConfig.bias_solver``).
+        ``"active_set"``, the exact active-set solver of :mod:`.solvers` (the only one; see
+        ``CompactionConfig.bias_solver``).
 
     Returns
     -------
@@ -106,12 +106,13 @@ def fit_bias(keys: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, *,
     """
     if not beta_min < beta_max:
         raise ValueError(f"beta_min={beta_min!r}, beta_max={beta_max!r}: need beta_min < beta_max")
-    if solver not in ("bvls", "trf"):
-        raise ValueError(f"solver={solver!r}: allowed ('bvls', 'trf')")
+    if solver not in BIAS_SOLVERS:
+        raise ValueError(f"solver={solver!r}: allowed {BIAS_SOLVERS}")
     z, shift = partition_targets(keys, q, scale=scale)
     a = mass_design(keys[indices], q, shift, scale=scale) / z[:, None]  # [n, t], rows / Z_j
     lo, hi = math.exp(beta_min), math.exp(beta_max)
-    res = lsq_linear(a.numpy(), np.ones(a.shape[0]), bounds=(lo, hi), method=solver)
-    beta = torch.from_numpy(np.log(res.x)).to(torch.float32)  # [t]
+    start = torch.ones(a.shape[1], dtype=torch.float64).clamp(lo, hi)  # beta = 0, in the box
+    w = bounded_lstsq(a, torch.ones(a.shape[0], dtype=torch.float64), lo, hi, x0=start)  # [t]
+    beta = torch.log(w).to(torch.float32)  # [t]
     # log(exp(b)) may round a hair outside the box; the contract is beta in [beta_min, beta_max]
     return beta.clamp(beta_min, beta_max)

@@ -11,17 +11,20 @@ Two rules, both deterministic and both returning sorted ascending positions:
   picks the unchosen column most correlated with the residual (correlation divided by the
   column norm), then refits all chosen weights by NNLS and recomputes the residual. This
   targets the bias fit directly: it prefers keys whose exp-logit columns, once re-weighted,
-  explain every query's total mass. It costs t NNLS solves of size [n, <=t]; use it for
-  studies at moderate t, and ``"attention"`` at scale.
+  explain every query's total mass. It costs t small NNLS solves (on the Gram matrix of the
+  chosen columns, grown by one row per step, each warm-started from the previous weights) and
+  t correlation passes over all T columns; use it for studies at moderate t, and
+  ``"attention"`` at scale.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import math
+
 import torch
-from scipy.optimize import nnls
 
 from .bias import mass_design, partition_targets
+from .solvers import box_qp
 from .values import attention_weights
 
 
@@ -43,7 +46,7 @@ def attention_scores(keys: torch.Tensor, q: torch.Tensor, *, scale: float | None
     Tensor [T], float32
     """
     w = attention_weights(q, keys, scale=scale, bias=bias)  # [n, T] fp32
-    return (w * w).mean(dim=0).sqrt()
+    return w.mul_(w).mean(dim=0).sqrt()  # in place: w is [n, T]
 
 
 def top_t(scores: torch.Tensor, t: int) -> torch.Tensor:
@@ -62,9 +65,9 @@ def top_t(scores: torch.Tensor, t: int) -> torch.Tensor:
     n = scores.shape[0]
     if not 1 <= t <= n:
         raise ValueError(f"t={t}: must satisfy 1 <= t <= T={n}")
-    s = scores.detach().to(torch.float64).cpu().numpy()
-    order = np.lexsort((np.arange(n), -s))  # primary: score desc; secondary: position asc
-    return torch.from_numpy(np.sort(order[:t])).to(torch.int64)
+    s = scores.detach().to(torch.float64).cpu()
+    order = torch.sort(-s, stable=True).indices  # score desc; stable: ties keep position order
+    return order[:t].sort().values.to(torch.int64)
 
 
 def select_attention(keys: torch.Tensor, q: torch.Tensor, t: int, *,
@@ -108,26 +111,36 @@ def select_omp(keys: torch.Tensor, q: torch.Tensor, t: int, *,
     if not 1 <= t <= num:
         raise ValueError(f"t={t}: must satisfy 1 <= t <= T={num}")
     z, shift = partition_targets(keys, q, scale=scale)
-    a = (mass_design(keys, q, shift, scale=scale) / z[:, None]).numpy()  # [n, T]
-    norms = np.linalg.norm(a, axis=0)  # [T]
-    target = np.ones(a.shape[0])
-    resid = target.copy()
-    free = np.ones(num, dtype=bool)
+    a = mass_design(keys, q, shift, scale=scale).div_(z[:, None])  # [n, T] float64
+    norms = torch.linalg.vector_norm(a, dim=0)  # [T]
+    safe = torch.where(norms > 0, norms, 1.0)
+    resid = torch.ones(a.shape[0], dtype=torch.float64)  # [n]
+    free = torch.ones(num, dtype=torch.bool)
+    cols = torch.empty(a.shape[0], t, dtype=torch.float64)  # chosen columns, in pick order
+    gram = torch.empty(t, t, dtype=torch.float64)  # their Gram matrix
+    rhs = torch.empty(t, dtype=torch.float64)  # their sums (A_s^T 1)
+    w = torch.empty(0, dtype=torch.float64)
     chosen: list[int] = []
-    for _ in range(t):
-        corr = np.where(norms > 0, (a.T @ resid) / np.where(norms > 0, norms, 1.0), -np.inf)
-        cand = np.flatnonzero(free)  # ascending, so the first hit is the lower position
+    for s in range(t):
+        corr = torch.where(norms > 0, (a.T @ resid) / safe, -math.inf)  # [T]
+        cand = free.nonzero().flatten()  # ascending, so the first hit is the lower position
         c = corr[cand]
-        best = c.max()
+        best = float(c.max())
         # identical columns can differ in the last bits (BLAS blocking); treat them as ties
-        near = np.flatnonzero(c >= best - 1e-9 * abs(best)) if np.isfinite(best) else [0]
-        pick = int(cand[near[0]])
+        near = (c >= best - 1e-9 * abs(best)).nonzero() if math.isfinite(best) else [[0]]
+        pick = int(cand[int(near[0][0])])
         chosen.append(pick)
         free[pick] = False
-        cols = a[:, chosen]  # [n, s]
-        w, _ = nnls(cols, target)
-        resid = target - cols @ w
-    return torch.from_numpy(np.sort(np.asarray(chosen))).to(torch.int64)
+        col = a[:, pick]  # [n]
+        cols[:, s] = col
+        row = col @ cols[:, : s + 1]  # [s + 1]
+        gram[s, : s + 1] = row
+        gram[: s + 1, s] = row
+        rhs[s] = col.sum()
+        start = torch.cat([w, w.new_zeros(1)])[None]  # previous weights, the new one at 0
+        w = box_qp(gram[None, : s + 1, : s + 1], rhs[None, : s + 1], 0.0, math.inf, x0=start)[0][0]
+        resid = 1.0 - cols[:, : s + 1] @ w  # [n]
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
 def select_keys(keys: torch.Tensor, q: torch.Tensor, t: int, *, rule: str = "attention",

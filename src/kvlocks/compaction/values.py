@@ -60,7 +60,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     s = default_scale(q.shape[-1], scale)
     lg = logits(q, k, s, bias, torch.float32)  # [n, t]
     lse = torch.logsumexp(lg, dim=-1)  # [n]
-    w = torch.exp(lg - lse[:, None])  # [n, t]
+    w = lg.sub_(lse[:, None]).exp_()  # [n, t], in place
     return w @ v.to(torch.float32), lse
 
 
@@ -73,8 +73,15 @@ def refit_values(keys: torch.Tensor, q: torch.Tensor, target: torch.Tensor, *,
     and ``lam = ridge * tr(P^T P) / t``. The ridge is relative so the same setting works at
     any n and t; it only matters when P is rank deficient (n < t, or keys whose weight
     underflows), where it picks the small-norm solution instead of a huge, unstable one.
-    Solved in float64 as an augmented least-squares system ``[P; sqrt(lam) I] Vc = [O; 0]``,
-    which is better conditioned than the normal equations.
+
+    In float64. With ``ridge > 0`` the normal equations ``(P^T P + lam I) Vc = P^T O`` are
+    solved by Cholesky plus one step of iterative refinement on the residual ``O - P Vc``: their
+    condition number is at most ``1 + t / ridge`` (2e8 at t = 205, ridge = 1e-6), so one step
+    brings the error to about ``(cond * 1e-16)^2``, far below the float32 output. With n = 4096
+    queries and 64 value columns it took 0.028 s at t = 205 and 0.25 s at t = 819 against 0.048
+    s and 0.56 s for the SVD least squares (gelsd) of the augmented system ``[P; sqrt(lam) I]``
+    (one CPU thread), with the same float32 result. With ``ridge = 0`` (or a ridge too small
+    for Cholesky) that SVD least squares gives the minimum-norm solution.
 
     Parameters
     ----------
@@ -101,10 +108,16 @@ def refit_values(keys: torch.Tensor, q: torch.Tensor, target: torch.Tensor, *,
     o = target.to(torch.float64)  # [n, Dv]
     t = p.shape[1]
     if ridge > 0:
-        lam = ridge * float((p * p).sum()) / t
-        p = torch.cat([p, (lam ** 0.5) * torch.eye(t, dtype=torch.float64)], dim=0)  # [n+t, t]
+        gram = p.T @ p  # [t, t]
+        lam = ridge * float(gram.diagonal().sum()) / t
+        eye = torch.eye(t, dtype=torch.float64)
+        chol, info = torch.linalg.cholesky_ex(gram + lam * eye)
+        if int(info) == 0:
+            sol = torch.cholesky_solve(p.T @ o, chol)  # [t, Dv]
+            res = p.T @ (o - p @ sol) - lam * sol  # normal-equation residual
+            return (sol + torch.cholesky_solve(res, chol)).to(torch.float32)
+        p = torch.cat([p, (lam ** 0.5) * eye], dim=0)  # [n+t, t]
         o = torch.cat([o, torch.zeros(t, o.shape[1], dtype=torch.float64)], dim=0)  # [n+t, Dv]
-    # gelsd (SVD) handles rank-deficient P; the default CPU driver gelsy also would,
-    # but gelsd's minimum-norm answer is the documented contract here.
+    # gelsd (SVD) handles rank-deficient P; its minimum-norm answer is the contract for ridge 0
     sol = torch.linalg.lstsq(p, o, driver="gelsd").solution  # [t, Dv]
     return sol.to(torch.float32)

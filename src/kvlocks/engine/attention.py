@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from kvlocks.cache.layout import paged_to_token_major
-from kvlocks.dispatch import DecodePlan, build_new_pages, paged_decode
+from kvlocks.config import KernelOptions, default_kernel_options
 from kvlocks.engine.cache import StaticPagedCache
+from kvlocks.plan import DecodePlan, paged_build_new, paged_decode
 
 DENSE_KERNEL = "triton split-KV paged decode over every page (kvlocks.attention.triton.paged_decode)"
 DENSE_REFERENCE = "torch reference dense_decode (kvlocks.attention.reference)"
@@ -23,14 +24,15 @@ class LocksAttention:
 
     name = "locks"
 
-    def __init__(self, cache: StaticPagedCache, *, num_q_heads: int, scale: float, dtype, backend: str) -> None:
+    def __init__(self, cache: StaticPagedCache, *, num_q_heads: int, scale: float, dtype, backend: str,
+                 options: KernelOptions) -> None:
         if cache.summaries is None:
             raise ValueError("the locks method needs a cache allocated with summaries")
         hkv, d = cache.k.shape[-2:]
-        self.cache, self.backend = cache, backend
+        self.cache, self.backend, self.options = cache, backend, options
         self.plan = DecodePlan(batch=cache.batch, num_kv_heads=hkv, group=num_q_heads // hkv, head_dim=d,
                                max_pages=cache.max_pages, config=cache.config, dtype=dtype,
-                               device=cache.k.device, scale=scale, backend=backend)
+                               device=cache.k.device, scale=scale, backend=backend, options=options)
         self.kernel = "kvlocks DecodePlan (score -> select -> attend), " + backend
         self.num_q_heads, self.dtype, self.scale = num_q_heads, dtype, scale
         self.tuned = None  # kvlocks.attention.tune.TuneResult of the attention over the selected pages
@@ -53,7 +55,7 @@ class LocksAttention:
                 pick = torch.randperm(total, generator=gen, device=dev)[: self.plan.k]
                 pages[b, h, : pick.numel()] = pick.to(torch.int32)
         res = _fastest(self, pages)
-        self.plan.ws["attend"], self.tuned = res.workspace, res
+        self.plan.attend_ws, self.tuned = res.workspace, res
         self.kernel = f"kvlocks DecodePlan (score -> select -> attend), {self.backend}; attend launch {res.describe()}"
 
     def run(self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, *, build: bool = True) -> torch.Tensor:
@@ -62,7 +64,8 @@ class LocksAttention:
         c = self.cache
         # the page this token filled gets its summary before scoring, as in the HF path
         if build:
-            build_new_pages(c.k[layer], c.summaries[layer], c.block_table, seq_lens, c.config, backend=self.backend)
+            paged_build_new(c.k[layer], c.summaries[layer], c.block_table, seq_lens, c.config, backend=self.backend,
+                            options=self.options)
         out, _ = self.plan.run(q, c.k[layer], c.v[layer], c.summaries[layer], c.block_table, seq_lens)
         return out
 
@@ -74,9 +77,10 @@ class DenseAttention:
 
     name = "dense"
 
-    def __init__(self, cache: StaticPagedCache, *, num_q_heads: int, scale: float, dtype, backend: str) -> None:
+    def __init__(self, cache: StaticPagedCache, *, num_q_heads: int, scale: float, dtype, backend: str,
+                 options: KernelOptions) -> None:
         hkv, d = cache.k.shape[-2:]
-        self.cache, self.backend, self.scale = cache, backend, scale
+        self.cache, self.backend, self.scale, self.options = cache, backend, scale, options
         self.group = num_q_heads // hkv
         if backend == "triton":
             from kvlocks.attention.triton import attention_workspace
@@ -84,7 +88,8 @@ class DenseAttention:
             dev = cache.k.device
             self.pages = torch.arange(cache.max_pages, dtype=torch.int32, device=dev).expand(
                 cache.batch, hkv, cache.max_pages)  # identity list, strides (0, 0, 1)
-            self.ws = attention_workspace(cache.batch, num_q_heads, d, cache.max_pages, cache.batch * hkv, dtype, dev)
+            self.ws = attention_workspace(cache.batch, num_q_heads, d, cache.max_pages, cache.batch * hkv, dtype, dev,
+                                          launch=options.dense_launches[0])
             self.kernel = DENSE_KERNEL
         else:
             self.kernel = DENSE_REFERENCE
@@ -108,7 +113,7 @@ class DenseAttention:
         c = self.cache
         if self.backend == "triton":
             out, _ = paged_decode(q, c.k[layer], c.v[layer], c.block_table, seq_lens, self.pages, scale=self.scale,
-                                  backend="triton", workspace=self.ws)
+                                  backend="triton", workspace=self.ws, options=self.options)
             return out
         from kvlocks.attention.reference import dense_decode
 
@@ -129,19 +134,24 @@ def _can_tune(backend: str, cache: StaticPagedCache) -> bool:
 
 
 def _fastest(attn, page_list: torch.Tensor):
-    """The fastest split-KV launch of ``attn`` (either class) over ``page_list`` on its cache, timed
-    with random queries of its dtype (:func:`kvlocks.attention.tune.fastest_dense`)."""
+    """The fastest split-KV launch of ``attn`` (either class) over ``page_list`` on its cache among
+    ``KernelOptions.dense_launches``, timed with random queries of its dtype
+    (:func:`kvlocks.attention.tune.fastest_dense`)."""
     from kvlocks.attention.tune import fastest_dense
 
     c = attn.cache
     gen = torch.Generator(device=c.k.device).manual_seed(0)
     q = torch.randn(c.batch, attn.num_q_heads, c.k.shape[-1], generator=gen, device=c.k.device).to(attn.dtype)
-    return fastest_dense(q, list(c.k), list(c.v), c.block_table, c.seq_lens, page_list, scale=attn.scale)
+    return fastest_dense(q, list(c.k), list(c.v), c.block_table, c.seq_lens, page_list, scale=attn.scale,
+                         options=attn.options)
 
 
-def make_attention(method: str, cache: StaticPagedCache, *, num_q_heads: int, scale: float, dtype, backend: str):
-    """The decode attention object for ``method`` (``"locks"`` or ``"dense"``)."""
+def make_attention(method: str, cache: StaticPagedCache, *, num_q_heads: int, scale: float, dtype, backend: str,
+                   options: KernelOptions | None = None):
+    """The decode attention object for ``method`` (``"locks"`` or ``"dense"``); ``options``: its
+    kernels' KernelOptions (None: the defaults)."""
     cls = {"locks": LocksAttention, "dense": DenseAttention}.get(method)
     if cls is None:
         raise ValueError(f"method={method!r}: allowed ('locks', 'dense')")
-    return cls(cache, num_q_heads=num_q_heads, scale=scale, dtype=dtype, backend=backend)
+    return cls(cache, num_q_heads=num_q_heads, scale=scale, dtype=dtype, backend=backend,
+               options=options or default_kernel_options())

@@ -1,6 +1,6 @@
 """A preallocated, static paged cache for every layer of a model (the layout of docs/layout.md).
 
-Per layer: ``k[l], v[l] [num_pages, S, Hkv, D]`` and a :class:`PagedSummaries` store; shared by
+Per layer: ``k[l], v[l] [num_pages, S, Hkv, D]`` and a :class:`SummaryStore`; shared by
 the layers: ``block_table [B, max_pages]`` int32 and ``seq_lens [B]`` int32, all on the device.
 Sequence ``b`` owns the physical pages ``b * max_pages .. (b + 1) * max_pages - 1``, so its tokens
 are also one contiguous ``[max_pages * S, Hkv, D]`` run: the dense prefill reads and writes them
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.cache.layout import PagedSummaries, check_kernel_config
-from kvlocks.config import LocksConfig
-from kvlocks.dispatch import build_pages
+from kvlocks.cache.layout import SummaryStore
+from kvlocks.config import KernelOptions, LocksConfig
+from kvlocks.kernels_support import check_config
+from kvlocks.plan import paged_build
 
 
 class StaticPagedCache:
@@ -31,7 +32,7 @@ class StaticPagedCache:
 
     def __init__(self, *, layers: int, batch: int, num_kv_heads: int, head_dim: int, max_context: int,
                  config: LocksConfig, dtype: torch.dtype, device, summaries: bool = True) -> None:
-        check_kernel_config(config, head_dim)
+        check_config(config, head_dim, backend="torch", owner="StaticPagedCache")  # the store's format
         s = config.page_size
         self.config, self.batch, self.page_size = config, batch, s
         self.max_pages = -(-max_context // s)
@@ -39,7 +40,7 @@ class StaticPagedCache:
         shape = (layers, self.num_pages, s, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_pages, S, Hkv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.summaries = [PagedSummaries.empty(self.num_pages, num_kv_heads, head_dim, config, device=device)
+        self.summaries = [SummaryStore.empty(self.num_pages, num_kv_heads, head_dim, config, device=device)
                           for _ in range(layers)] if summaries else None
         self.block_table = torch.arange(self.num_pages, dtype=torch.int32, device=device).view(batch, self.max_pages)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -93,12 +94,14 @@ class StaticPagedCache:
         full = self.length // self.page_size
         return self.block_table[:, :full].reshape(-1).contiguous()
 
-    def build(self, *, backend: str | None = None, layers: range | None = None) -> None:
-        """Build the summaries of every full page of every layer (after prefill or fill)."""
+    def build(self, *, backend: str | None = None, layers: range | None = None,
+              options: KernelOptions | None = None) -> None:
+        """Build the summaries of every full page of every layer (after prefill or fill); ``options``:
+        the build's KernelOptions (``build_solver``)."""
         if self.summaries is None:
             raise ValueError("this cache was allocated without summaries")
         ids = self.full_page_ids()
         if ids.numel() == 0:
             return
         for layer in layers if layers is not None else range(self.k.shape[0]):
-            build_pages(self.k[layer], self.summaries[layer], ids, self.config, backend=backend)
+            paged_build(self.k[layer], self.summaries[layer], ids, self.config, backend=backend, options=options)

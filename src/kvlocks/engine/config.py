@@ -1,22 +1,21 @@
-"""EngineConfig: what the GPU decode engine runs (method, budget, batch, capacity, backend)."""
+"""EngineConfig: what the GPU decode engine runs (method, budget, batch, capacity, backend, kernels)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvlocks._config_io import ConfigIO, check_int
-from kvlocks.config import LocksConfig
+from kvlocks.config import KernelOptions, LocksConfig
+from kvlocks.kernels_support import BACKENDS, check_config
 
 METHODS = ("locks", "dense", "auto")
 # auto: where LOCKS starts to decode faster than dense, as the K/V bytes one sequence holds per layer.
-# On the H200 (budget 2048, session 18, against the tuned dense launch, both with programmatic dependent
-# launch) GLM-4-9B (4 KV heads, 2 KB per token and layer in bf16) is 1.00x at 32K and 1.07x at 64K (1.0
-# at ~33K tokens, ~68 MB; session 16: ~37K); Llama-3.1-8B (8 KV heads, 4 KB) 0.96x at 16K, 1.05x at 32K
-# (1.0 at ~22K, ~90 MB). 80 MB, between the two, is within ~1-2% of both.
-# Below it dense's one attention kernel beats LOCKS's three dependent ones; above it the K/V read
-# dominates. docs/benchmarks.md, "Targets (issue 6)".
+# On the H200 (budget 2048, against the tuned dense launch, both with programmatic dependent launch)
+# GLM-4-9B (4 KV heads, 2 KB per token and layer in bf16) is 1.00x at 32K and 1.07x at 64K (1.0 at
+# ~33K tokens, ~68 MB); Llama-3.1-8B (8 KV heads, 4 KB) 0.96x at 16K, 1.05x at 32K (1.0 at ~22K,
+# ~90 MB). 80 MB, between the two, is within ~1-2% of both. Below it dense's one attention kernel
+# beats LOCKS's three dependent ones; above it the K/V read dominates (docs/benchmarks.md, "Targets").
 AUTO_CROSSOVER_KV_BYTES = 80_000_000
-BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +51,8 @@ class EngineConfig(ConfigIO):
         scattered pages) and keep the fastest (:mod:`kvlocks.attention.tune`; a few ms plus one
         compile per launch shape, once). The launches sum in different orders, so tokens may differ
         from an untuned run's at the level of float rounding; False keeps the default launch
+    kernels : KernelOptions (programmatic dependent launch, the compile mode's batch limit, the
+        attention launches the tuner times, the score kernel, the build solver)
     """
 
     method: str = "locks"
@@ -65,6 +66,7 @@ class EngineConfig(ConfigIO):
     compile: bool = False
     auto_min_context: int | None = None
     tune_attention: bool = True
+    kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -73,18 +75,19 @@ class EngineConfig(ConfigIO):
             object.__setattr__(self, "locks", LocksConfig(**self.locks))
         if not isinstance(self.locks, LocksConfig):
             raise ValueError(f"EngineConfig.locks must be a LocksConfig, got {type(self.locks).__name__}")
-        if (self.locks.basis_bits, self.locks.coef_bits) != (4, 8):
-            raise ValueError(
-                f"EngineConfig.locks: the paged store holds int4 basis / int8 coefficients, got basis_bits="
-                f"{self.locks.basis_bits}, coef_bits={self.locks.coef_bits}"
-            )
+        if isinstance(self.kernels, dict):  # from_json
+            object.__setattr__(self, "kernels", KernelOptions(**self.kernels))
+        if not isinstance(self.kernels, KernelOptions):
+            raise ValueError(f"EngineConfig.kernels must be a KernelOptions, got {type(self.kernels).__name__}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
+        # the head_dim is the model's: the engine checks it with the backend it resolves
+        check_config(self.locks, None, backend=self.backend or "torch", owner="EngineConfig.locks")
         check_int("EngineConfig", "batch", self.batch, 1, 4096)
         check_int("EngineConfig", "max_context", self.max_context, 2, 1 << 26)
         check_int("EngineConfig", "prefill_chunk", self.prefill_chunk, 1)
         if self.auto_min_context is not None:
             check_int("EngineConfig", "auto_min_context", self.auto_min_context, 0)
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise ValueError(f"EngineConfig.backend={self.backend!r}: allowed {BACKENDS} or None")
         if self.tune_attention not in (True, False):
             raise ValueError(f"EngineConfig.tune_attention={self.tune_attention!r}: allowed True or False")
         if self.cuda_graph not in (None, True, False):

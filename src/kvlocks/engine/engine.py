@@ -17,7 +17,6 @@ import contextlib
 
 import torch
 
-from kvlocks.dispatch import resolve_backend
 from kvlocks.engine.cache import StaticPagedCache
 from kvlocks.engine.config import EngineConfig, auto_min_context_for
 from kvlocks.engine.graph import StepRunner
@@ -25,6 +24,8 @@ from kvlocks.engine.overlap import PrefillBuild
 from kvlocks.engine.parts import model_parts
 from kvlocks.engine.prefill import prefill
 from kvlocks.engine.step import DecodeStep
+from kvlocks.kernels_support import check_config
+from kvlocks.plan import resolve_backend
 
 
 class DecodeEngine:
@@ -41,6 +42,7 @@ class DecodeEngine:
         self.parts = model_parts(model)
         p = self.parts
         self.backend = resolve_backend(config.backend, p.device)
+        check_config(config.locks, p.head_dim, backend=self.backend, owner="EngineConfig.locks")
         graph = config.cuda_graph
         self.use_graph = (self.backend == "triton" and p.device.type == "cuda") if graph is None else graph
         self.cache = StaticPagedCache(
@@ -56,7 +58,7 @@ class DecodeEngine:
         self._steps: dict[str, DecodeStep] = {}
         self._runners: dict[str, StepRunner] = {}
         self.runner: StepRunner | None = None
-        self.pending_build: PrefillBuild | None = None
+        self.build_in_flight: PrefillBuild | None = None
         # the method decoding now; "auto" picks one at each prefill (dense until then)
         self.method = "dense" if config.method == "auto" else config.method
         self._use(self.method)
@@ -65,7 +67,7 @@ class DecodeEngine:
         """Make ``method``'s decode step (and its CUDA graph, once captured) the current one."""
         if method not in self._steps:
             self._steps[method] = DecodeStep(self.parts, self.cache, method=method, backend=self.backend,
-                                             compile=self.config.compile)
+                                             compile=self.config.compile, options=self.config.kernels)
         self.method, self.step = method, self._steps[method]
         self.runner = self._runners.get(method)
 
@@ -80,11 +82,11 @@ class DecodeEngine:
         build = None
         if self.method == "locks":
             build = PrefillBuild(self.cache, input_ids.shape[1], backend=self.backend,
-                                 overlap=self.config.overlap_build)
+                                 overlap=self.config.overlap_build, options=self.config.kernels)
         with build.prefill_stream() if build is not None else contextlib.nullcontext():
             logits = prefill(self.parts, self.cache, input_ids, chunk=self.config.prefill_chunk, after_layer=build)
         self.step.tokens.copy_(logits.argmax(dim=-1))
-        self.pending_build = build
+        self.build_in_flight = build
         return logits
 
     def decode(self, steps: int) -> torch.Tensor:
@@ -95,9 +97,9 @@ class DecodeEngine:
         room = self.cache.capacity - self.cache.length
         if steps > room:
             raise ValueError(f"{steps} decode steps do not fit: the cache has room for {room} more tokens")
-        if self.pending_build is not None:
-            self.pending_build.finish()
-            self.pending_build = None
+        if self.build_in_flight is not None:
+            self.build_in_flight.finish()
+            self.build_in_flight = None
         out = torch.empty(self.cache.batch, steps, dtype=torch.long, device=self.parts.device)
         for i in range(steps):
             if self._reaches_auto_threshold():
@@ -118,7 +120,7 @@ class DecodeEngine:
         """auto, mid-decode: build every full page's summaries, then decode with LOCKS (same token
         to feed: the step objects share the cache, and the next token moves over)."""
         tokens = self.step.tokens
-        self.cache.build(backend=self.backend)
+        self.cache.build(backend=self.backend, options=self.config.kernels)
         self._use("locks")
         self.step.tokens.copy_(tokens)
 

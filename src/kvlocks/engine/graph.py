@@ -5,11 +5,13 @@ up its handles), then restores the state it advanced (``tokens``, ``seq_lens``: 
 lies past the restored length and is overwritten later; a page it filled is rebuilt when it fills
 again). Capture records the step without running it; each ``replay`` then decodes one token.
 
-With ``SKIP_IDLE_BUILDS``, LOCKS captures the step twice: with the incremental summary builds (one
-launch per layer) and without them. Every sequence has the cache's common length, which the host
-tracks (``cache.length``, advanced here by each step), so the host knows which steps fill a page:
-those replay the first graph, the other 15 of every 16 the second. Both compute the same tokens;
-the second leaves out launches that would find nothing to build.
+LOCKS captures the step twice: with the incremental summary builds (one launch per layer) and
+without them. Every sequence has the cache's common length, which the host tracks
+(``cache.length``, advanced here by each step), so the host knows which steps fill a page: those
+replay the first graph, the other 15 of every 16 the second (eager: the step without the build
+launches). Both compute the same tokens; the second leaves out launches that would find nothing to
+build. H200, GLM-4-9B, median TPOT with a build launch on every step -> two graphs: 1M 11.82 ->
+11.73 ms, 256K 8.68 -> 8.62, 32K 7.81 -> 7.70 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,13 +19,6 @@ from __future__ import annotations
 import torch
 
 from kvlocks.engine.step import DecodeStep
-
-# LOCKS: on steps that fill no page, run the step without the incremental-build launches (eager)
-# or replay the graph captured without them (same tokens: those launches find nothing to build).
-# On since session 10: on the H200 (scripts/device/pending9.sh, docs/results/gpu_session10/pending9)
-# the two-graph replay passed the graph test and took GLM-4-9B's median TPOT from 11.82 to 11.73 ms
-# at 1M, 8.68 -> 8.62 at 256K, 7.81 -> 7.70 at 32K.
-SKIP_IDLE_BUILDS = True
 
 
 class StepRunner:
@@ -40,7 +35,6 @@ class StepRunner:
     def __init__(self, step: DecodeStep, *, use_graph: bool, warmup: int = 2) -> None:
         self.step, self.graphs = step, {}
         self.locks = step.attn.name == "locks"
-        self.skip = SKIP_IDLE_BUILDS and self.locks  # read once: the graphs captured follow it
         if not use_graph:
             return
         if step.cache.k.device.type != "cuda" or step.backend != "triton":
@@ -55,7 +49,7 @@ class StepRunner:
         step.tokens.copy_(state[0])
         step.cache.seq_lens.copy_(state[1])
         torch.cuda.synchronize()
-        for build in (True, False) if self.skip else (self.locks,):
+        for build in (True, False) if self.locks else (False,):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = step(build=build)  # static output: rewritten by every replay of this graph
@@ -64,7 +58,7 @@ class StepRunner:
     def __call__(self) -> torch.Tensor:
         """Decode one token per sequence (no host sync on the graph path); returns logits ``[B, V]``."""
         cache = self.step.cache
-        build = self.step.fills_page(cache.length) if self.skip else self.locks
+        build = self.step.fills_page(cache.length)  # always False for dense
         if self.graphs:
             graph, logits = self.graphs[build]
             graph.replay()

@@ -21,8 +21,9 @@ import contextlib
 
 import torch
 
-from kvlocks.dispatch import build_pages
+from kvlocks.config import KernelOptions
 from kvlocks.engine.cache import StaticPagedCache
+from kvlocks.plan import paged_build
 
 
 class PrefillBuild:
@@ -32,17 +33,18 @@ class PrefillBuild:
     ----------
     cache : the :class:`StaticPagedCache` the prefill fills (allocated with summaries)
     n_tokens : prompt length (every sequence); pages ``0 .. n_tokens // S - 1`` of each sequence are built
-    backend : ``"triton"`` / ``"torch"`` / None, as for :func:`kvlocks.dispatch.build_pages`
+    backend : ``"triton"`` / ``"torch"`` / None, as for :func:`kvlocks.plan.paged_build`
     overlap : run builds on a side stream (CUDA only; ignored elsewhere)
+    options : KernelOptions of the build (None: the defaults)
     """
 
     def __init__(self, cache: StaticPagedCache, n_tokens: int, *, backend: str | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, options: KernelOptions | None = None) -> None:
         if cache.summaries is None:
             raise ValueError("PrefillBuild: the cache was allocated without summaries")
         if not 0 <= n_tokens <= cache.capacity:
             raise ValueError(f"PrefillBuild: n_tokens={n_tokens} outside [0, capacity={cache.capacity}]")
-        self.cache, self.backend = cache, backend
+        self.cache, self.backend, self.options = cache, backend, options
         self.ids = cache.block_table[:, : n_tokens // cache.page_size].reshape(-1).contiguous()
         self.built: list[int] = []
         dev = cache.k.device
@@ -78,11 +80,11 @@ class PrefillBuild:
             return
         args = (self.cache.k[layer], self.cache.summaries[layer], self.ids, self.cache.config)
         if self.side is None:
-            build_pages(*args, backend=self.backend)
+            paged_build(*args, backend=self.backend, options=self.options)
             return
         self.side.wait_stream(torch.cuda.current_stream(self.side.device))
         with torch.cuda.stream(self.side):
-            build_pages(*args, backend=self.backend)
+            paged_build(*args, backend=self.backend, options=self.options)
 
     def finish(self) -> None:
         """The caller's stream waits for every queued build (call before the first decode step)."""

@@ -10,8 +10,8 @@ The attention function takes the LOCKS path only for single-token decode steps w
 from a :class:`LocksCache` with a sparse method; everything else (prefill, other caches) runs
 transformers' SDPA unchanged. Nothing is registered at import time: :func:`register` does it.
 
-Backends: on CUDA tensors the ``locks`` selector with the kernels' configuration (int4 basis,
-int8 coefficients, page_size 16, head_dim 64 or 128; :func:`kernel_path`) runs the Triton kernels
+Backends: on CUDA tensors the ``locks`` selector with a configuration the kernels support
+(:func:`kernel_path`: :func:`kvlocks.kernels_support.kernel_support`) runs the Triton kernels
 (summary build, scoring, combine, selection, paged attention); everything else, and every CPU
 tensor, runs the PyTorch references. ``LocksCache(..., backend="torch" | "triton")`` forces one
 (tests run ``"triton"`` on the CPU through ``TRITON_INTERPRET=1``). Left-padded batches
@@ -29,8 +29,9 @@ from kvlocks._checks import check_finite
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
-from kvlocks.dispatch import BACKENDS, resolve_backend
 from kvlocks.integrations.stats import DecodeStats
+from kvlocks.kernels_support import kernel_support
+from kvlocks.plan import BACKENDS, resolve_backend
 from kvlocks.selection.oracle_per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
@@ -45,9 +46,11 @@ def method_names() -> tuple[str, ...]:
 
 def kernel_path(selector, config: LocksConfig, head_dim: int) -> bool:
     """Whether the Triton kernels implement this (selector, config, head_dim): the default LOCKS
-    selector, int4 basis / int8 coefficients, S = 16, a power-of-two rank, D in {64, 128}."""
-    return (isinstance(selector, LocksSelector) and (config.basis_bits, config.coef_bits) == (4, 8)
-            and config.page_size == 16 and config.rank & (config.rank - 1) == 0 and head_dim in (64, 128))
+    selector and a configuration :func:`kvlocks.kernels_support.kernel_support` accepts for them.
+    Otherwise the cache runs the PyTorch references (the stated fallback)."""
+    return isinstance(selector, LocksSelector) and kernel_support(
+        page_size=config.page_size, rank=config.rank, head_dim=head_dim, basis_bits=config.basis_bits,
+        coef_bits=config.coef_bits, backend="triton") is None
 
 
 class _LayerStore(PagedLayerStore):
@@ -185,7 +188,7 @@ def _kernel_decode(q, key, value, summaries, config: LocksConfig, scale: float) 
     paged = _paged_view(key, value, s)
     if paged is None:  # not a page-aligned store view: the adapter copies K/V into pages
         return tri_attend(q, key, value, pages, s, scale=scale)[0]
-    from kvlocks.dispatch import paged_decode
+    from kvlocks.plan import paged_decode
 
     kc, vc, table = paged
     rows = table.shape[0]  # B * Hkv sequences of one KV head each

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kvlocks import env
+
 log = logging.getLogger(__name__)
 
 BUNDLED = {
@@ -27,8 +29,7 @@ _MARKER = "kvlocks-converted.txt"
 
 def cache_root() -> Path:
     """Where converted models live: ``$KVLOCKS_MODEL_DIR`` or ``~/.cache/kvlocks/models``."""
-    env = os.environ.get("KVLOCKS_MODEL_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvlocks" / "models"
+    return Path(env.get("KVLOCKS_MODEL_DIR")).expanduser()
 
 
 def gguf_path(name: str) -> Path:
@@ -44,6 +45,11 @@ def gguf_path(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed {info['pip']} package")
     return path
+
+
+def is_converted(name: str) -> bool:
+    """Whether the bundled model ``name`` was converted already (its next load takes seconds)."""
+    return name in BUNDLED and (cache_root() / name / _MARKER).is_file()
 
 
 def converted_dir(name: str) -> Path:

@@ -40,14 +40,10 @@ constexpr int S = 16;      // page size (keys per page)
 constexpr int R = 8;       // summary rank
 constexpr int TILE = 16;   // pages per warp iteration
 constexpr unsigned FULL = 0xffffffffu;
-// Accumulator chains of a page pair's projection MMAs (k-steps dealt round-robin): 2, or 4 for
-// half the dependent-MMA depth at 8 more registers per n-tile (a variant for side-by-side timing:
-// scripts/device/mma_probe.py --sources, with the define prepended to a copy of this file).
-#ifndef KVLOCKS_SCORE_CHAINS
-#define KVLOCKS_SCORE_CHAINS 2
-#endif
-constexpr int CHAINS = KVLOCKS_SCORE_CHAINS;
-static_assert(CHAINS == 2 || CHAINS == 4, "KVLOCKS_SCORE_CHAINS: 2 or 4");
+// Accumulator chains of a page pair's projection MMAs (k-steps dealt round-robin). Four (half the
+// dependent-MMA depth, 8 more registers per n-tile) timed on the H200: glm4-9b-1m 1M 103.4 vs
+// 103.4-103.7 us, llama3-8b 173.6-174.2 vs 171.5-171.9 (docs/benchmarks.md).
+constexpr int CHAINS = 2;
 constexpr float LN2 = 0.6931471805599453f;
 
 __device__ __forceinline__ void mma16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -184,8 +180,7 @@ struct Params {
   const int32_t* seq_lens;
   float* scores;  // [B, Hkv, G, max_pages]
   float* stats;   // [B * Hkv, n_chunks, 2, GB]
-  int hkv, g, gb, max_pages, n_chunks, ppp;
-  int balanced;     // 1: chunk c scores tiles [c T / n_chunks, (c + 1) T / n_chunks) of its sequence's T tiles
+  int hkv, g, gb, max_pages, n_chunks, ppp;  // ppp: pages per program, a multiple of TILE
   float qk_scale2;  // scale * log2(e)
 };
 
@@ -407,16 +402,11 @@ __device__ __forceinline__ void centroid_term(const Warp<D, NT>& w, const Centro
   }
 }
 
-// The kernel body. CSLOTS: centroid slots per warp. One slot suffices (a tile's centroids are read
-// at its first group and the next tile's copied at its last group; a tile with one group has no next
-// tile in its program) and saves 8 KB of shared memory per block for the six-blocks-per-SM variant.
-// GSPLIT (launches of one tile per program, ppp = TILE, static split): the block's warps share the
-// tile, warp w scoring its group w (pages 4w..4w+3) alone. At short contexts one tile per warp
-// leaves about one warp per scheduler, and a tile's four groups then cost four times a group's
-// dependent-instruction latency; split, four times the warps run a group each.
-template <int D, int NT, int WARPS, int CSLOTS, bool GSPLIT = false>
+// The kernel body; CSLOTS centroid slots per warp (a tile's centroids are read at its first group
+// and the next tile's copied at its last group).
+template <int D, int NT, int WARPS>
 __device__ __forceinline__ void score_body(const Params& p) {
-  static_assert(!GSPLIT || WARPS == 4, "GSPLIT: the tile's four groups over four warps");
+  constexpr int CSLOTS = 2;
   constexpr int KS = D / 16;
   __shared__ float qs[NT * 8][D];
   __shared__ float red[WARPS];
@@ -427,11 +417,8 @@ __device__ __forceinline__ void score_body(const Params& p) {
   const int row = blockIdx.y, chunk = blockIdx.x;
   const int b = row / p.hkv, h = row % p.hkv;
   const int pc = __ldg(p.seq_lens + b) / S;
-  // static: ppp pages per program; balanced: every program of a row gets its sequence's tiles in
-  // near-equal runs (sizes differ by at most one tile), whatever the sequence's length
-  const int tiles = (pc + TILE - 1) / TILE;
-  const int start = p.balanced ? (int)((int64_t)chunk * tiles / p.n_chunks) * TILE : chunk * p.ppp;
-  const int end = min(p.balanced ? (int)((int64_t)(chunk + 1) * tiles / p.n_chunks) * TILE : start + p.ppp, pc);
+  const int start = chunk * p.ppp;  // this program's pages: [start, end)
+  const int end = min(start + p.ppp, pc);
   const int32_t* bt = p.block_table + (int64_t)b * p.stride_bt;
   const int gid = lane >> 2;
   // page ids of a tile: lane l holds page t0 + (l % 16); page id 0 stands in past the end (not stored)
@@ -443,8 +430,8 @@ __device__ __forceinline__ void score_body(const Params& p) {
   };
   GroupSlot<D>* gslot = gslots[warp];
   CentroidSlot<D>* cslot = cslots[warp];
-  int t0 = GSPLIT ? start : start + warp * TILE;
-  const int j_first = GSPLIT ? warp : 0;  // this warp's first group of its first tile
+  int t0 = start + warp * TILE;
+  constexpr int j_first = 0;  // this warp's first group of its first tile
   int pid = 0, pid_n1 = 0;  // page ids of this warp's current and next tile (loaded a tile ahead)
   float sa = 0.f, sb = 0.f;
   if (t0 + 4 * j_first < end) {  // the first copies overlap the query set-up
@@ -524,9 +511,8 @@ __device__ __forceinline__ void score_body(const Params& p) {
     int n = 0, tile = 0;
     while (true) {
       const int t_next = t0 + WARPS * TILE;
-      const bool more = !GSPLIT && t_next < end;
-      // groups of this tile with a page to score (GSPLIT: this warp's one)
-      const int ng = GSPLIT ? j_first + 1 : min(4, (end - t0 + 3) >> 2);
+      const bool more = t_next < end;
+      const int ng = min(4, (end - t0 + 3) >> 2);  // groups of this tile with a page to score
       const int pid_next = pid_n1;
       const int pid_n2 = tile_ids(t_next + WARPS * TILE);  // used a tile from now: no wait here
       float sa_next = 0.f, sb_next = 0.f;
@@ -613,7 +599,7 @@ __device__ __forceinline__ void score_body(const Params& p) {
   }
 }
 
-// Programmatic dependent launch (kvlocks/pdl.py). Launched with the attribute (`pdl`, cuda_mma.SCORE_PDL),
+// Programmatic dependent launch (kvlocks/pdl.py). Launched with the attribute (`pdl`, KernelOptions.pdl),
 // this kernel may start before the kernel ahead of it has finished, so it first waits for that kernel's
 // completion; launched without it the wait returns at once. Then the kernel after this one (the fused
 // selection) may be scheduled as soon as every block of this one has got that far; it waits for this
@@ -626,45 +612,25 @@ __device__ __forceinline__ void allow_dependents() {
 }
 
 // Resident blocks per SM: what the compiler's register allocation allows (92 registers on sm_90:
-// 5 blocks of 4 warps), or six asked for (at most 80 registers, one centroid slot: 24 warps per SM).
+// 5 blocks of 4 warps).
 template <int D, int NT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) score_kernel(const Params p) {
   allow_dependents();
-  score_body<D, NT, WARPS, 2>(p);
-}
-
-template <int D, int NT, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, 6) score_kernel_six(const Params p) {
-  allow_dependents();
-  score_body<D, NT, WARPS, 1>(p);
-}
-
-// One tile per program, its four groups over the four warps (launches with ppp = TILE).
-template <int D, int NT>
-__global__ void __launch_bounds__(128) score_kernel_gsplit(const Params p) {
-  allow_dependents();
-  score_body<D, NT, 4, 1, true>(p);
+  score_body<D, NT, WARPS>(p);
 }
 
 using Kernel = void (*)(const Params);
+constexpr int WARPS = 4;
 
-// The compiled variants: head_dim 64 / 128, one or two n-tiles of 8 heads (G <= 8 / <= 16), warps per
-// block, resident blocks asked for (min_blocks: 1 = no request; 6 only for D = 128, G <= 8, 4 warps),
-// the tile's groups split over the warps (gsplit: 4 warps, min_blocks 1, one tile per program).
-Kernel pick(int head_dim, int nt, int warps, int min_blocks, int gsplit) {
-  if (gsplit && warps == 4 && min_blocks == 1) {
-    if (head_dim == 128) return nt == 1 ? score_kernel_gsplit<128, 1> : score_kernel_gsplit<128, 2>;
-    if (head_dim == 64) return nt == 1 ? score_kernel_gsplit<64, 1> : score_kernel_gsplit<64, 2>;
-  }
-#define KVLOCKS_CASE(D_, NT_, W_) \
-  if (head_dim == D_ && nt == NT_ && warps == W_ && min_blocks == 1) return score_kernel<D_, NT_, W_>;
-  KVLOCKS_CASE(128, 1, 4)
-  KVLOCKS_CASE(128, 2, 4)
-  KVLOCKS_CASE(64, 1, 4)
-  KVLOCKS_CASE(64, 2, 4)
-  KVLOCKS_CASE(128, 1, 2)
-#undef KVLOCKS_CASE
-  if (head_dim == 128 && nt == 1 && warps == 4 && min_blocks == 6) return score_kernel_six<128, 1, 4>;
+// The compiled variants: head_dim 64 / 128, one or two n-tiles of 8 heads (G <= 8 / <= 16).
+Kernel pick(int head_dim, int nt) {
+#define KVLOCKS_VARIANT(D_, NT_) \
+  if (head_dim == D_ && nt == NT_) return score_kernel<D_, NT_, WARPS>;
+  KVLOCKS_VARIANT(128, 1)
+  KVLOCKS_VARIANT(128, 2)
+  KVLOCKS_VARIANT(64, 1)
+  KVLOCKS_VARIANT(64, 2)
+#undef KVLOCKS_VARIANT
   return nullptr;
 }
 
@@ -672,14 +638,12 @@ Kernel pick(int head_dim, int nt, int warps, int min_blocks, int gsplit) {
 
 extern "C" {
 
-// Launches on `stream`; returns a cudaError_t (0 = success), -1 for an unsupported (head_dim, G, warps,
-// min_blocks).
+// Launches on `stream`; returns a cudaError_t (0 = success), -1 for an unsupported (head_dim, G).
 int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q_dtype, const void* basis,
                       const void* bscale, const void* coef, const void* cscale, const void* cen,
                       const void* censcale, const void* block_table, int64_t stride_bt, const void* seq_lens,
                       void* scores, void* stats, int batch, int hkv, int g, int gb, int max_pages, int n_chunks,
-                      int ppp, int balanced, float qk_scale2, int head_dim, int warps, int min_blocks, int pdl,
-                      void* stream) {
+                      int ppp, float qk_scale2, int head_dim, int pdl, void* stream) {
   Params p;
   p.q = q;
   p.stride_qb = stride_qb;
@@ -702,19 +666,17 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
   p.max_pages = max_pages;
   p.n_chunks = n_chunks;
   p.ppp = ppp;
-  p.balanced = balanced;
   p.qk_scale2 = qk_scale2;
-  // a static split of one tile per program: the tile's groups over the warps
-  const Kernel k = pick(head_dim, g > 8 ? 2 : 1, warps, min_blocks, !balanced && ppp == TILE);
+  const Kernel k = pick(head_dim, g > 8 ? 2 : 1);
   if (k == nullptr) return -1;
   void* args[] = {&p};
   const dim3 grid(n_chunks, batch * hkv);
   if (!pdl)
-    return (int)cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, dim3(warps * 32), args, 0,
+    return (int)cudaLaunchKernel(reinterpret_cast<const void*>(k), grid, dim3(WARPS * 32), args, 0,
                                  static_cast<cudaStream_t>(stream));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(warps * 32);
+  cfg.blockDim = dim3(WARPS * 32);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -725,10 +687,10 @@ int kvlocks_score_mma(const void* q, int64_t stride_qb, int64_t stride_qh, int q
 }
 
 // Resident blocks per SM of a variant (what the launch sizes aim at), or -1.
-int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt, int warps, int min_blocks, int gsplit) {
-  const Kernel k = pick(head_dim, nt, warps, min_blocks, gsplit);
+int kvlocks_score_mma_blocks_per_sm(int head_dim, int nt) {
+  const Kernel k = pick(head_dim, nt);
   int n = 0;
-  if (k == nullptr || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, warps * 32, 0) != cudaSuccess) return -1;
+  if (k == nullptr || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, WARPS * 32, 0) != cudaSuccess) return -1;
   return n;
 }
 

@@ -2,7 +2,8 @@
 
 Same inputs, outputs and combine step as :func:`kvlocks.scoring.triton.score_pages_paged`, which
 dispatches here on CUDA for half-precision queries, G <= 16 and rank 8 when the CUDA kernel
-(:mod:`kvlocks.scoring.cuda_mma`) is not available. Per step of BLOCK pages:
+(:mod:`kvlocks.scoring.cuda_mma`) is not available (:func:`kvlocks.kernels_support.score_kernel`).
+Per step of BLOCK pages:
 
 - the basis tile is ``[BLOCK * R, D / 2]`` bytes (no padded rows) and the projection is two
   float16 tensor-core dots with K = D / 2: low nibbles (even elements) against q's even half,
@@ -17,11 +18,13 @@ dispatches here on CUDA for half-precision queries, G <= 16 and rank 8 when the 
   takes pages in pairs: block-diagonal ``[2S, 2R]`` coefficients times the pair's stacked
   ``[2R, G]`` projections, two float16 tensor-core dots on an exact hi/lo split (COEF = 3), or
   float32 FMAs on a ``[BLOCK, S, R, G]`` broadcast (COEF = 2, the default for G = 1; it spills
-  registers from G = 8).
+  registers from G = 8). The page-pair dots with a single head (N = 1) gave wrong scores on the
+  H200 at 16-32 pages per step (right at 8; the interpreter agrees with the reference; cause not
+  found), so they are never run for G = 1 on CUDA.
 
 H200, 1M tokens, batch 1: 456 us (llama3-8b shape, G = 4) and 246 us (glm4-9b-1m, G = 8) against
-952 / 498 us for the three-dot kernel; G = 1 (32 KV heads) 1255 vs 3836 us; G = 16 236 vs 275 us (``scripts/device/score_probe.py``; analysis in
-``docs/benchmarks.md``).
+952 / 498 us for the three-dot kernel; G = 1 (32 KV heads) 1255 vs 3836 us; G = 16 236 vs 275 us
+(analysis in ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlocks.cache.layout import PagedSummaries, dot_dtype
-from kvlocks.scoring.triton import HEAD_DIMS, LOG2E, finish_scores, score_workspace, store_and_fold
+from kvlocks.cache.layout import SummaryStore, dot_dtype
+from kvlocks.kernels_support import KERNEL_HEAD_DIMS
+from kvlocks.scoring.triton_combine import LOG2E, ScoreWorkspace, finish_scores, launch_sizes, store_and_fold
 
 
 @triton.jit
@@ -174,28 +178,16 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
     tl.store(st + GQ, l_run)
 
 
-# launch shapes measured best on the H200 (scripts/device/score_probe.py); tuned once per shape on CUDA
+# launch shapes measured best on the H200 (docs/benchmarks.md); tuned once per shape on CUDA
 _PACKED_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
                    for b, w, st in ((16, 2, 2), (32, 4, 2), (32, 4, 1), (16, 4, 2))]
 _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
     _score_packed_kernel)
 
 
-def supports(queries: torch.Tensor, group: int, rank: int) -> bool:
-    """Whether :func:`score_pages_packed` is the faster kernel here: CUDA, half-precision queries,
-    rank 8, any G from 1 to 16. Measured on the H200 at 1M tokens against the three-dot kernel
-    (``scripts/device/score_probe.py``): G = 1 (32 KV heads) 1255 vs 3836 us with the FMA
-    contraction, G = 4 / 8 about 2x, G = 16 (2 KV heads) 236 vs 275 us. For G = 1 the default
-    contraction is the FMA broadcast (``coef=2``): the page-pair dots with a single head (N = 1)
-    gave wrong scores on the H200 at 16-32 pages per step (right at 8; the interpreter agrees with
-    the reference; cause not found), so they are never chosen for G = 1."""
-    return (queries.is_cuda and queries.dtype in (torch.float16, torch.bfloat16) and 1 <= group <= 16
-            and rank == 8)
-
-
-def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_table: torch.Tensor,
+def score_pages_packed(queries: torch.Tensor, summaries: SummaryStore, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
-                   launch: dict | None = None, workspace: dict | None = None, unpack: int | None = None,
+                   launch: dict | None = None, workspace: ScoreWorkspace | None = None, unpack: int | None = None,
                    dot: str = "auto", coef: int | None = None, rank: bool = True):
     """Same contract as :func:`kvlocks.scoring.triton.score_pages_paged`.
 
@@ -208,8 +200,8 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
     bsz, hq, d = queries.shape
     hkv, s, r = summaries.num_kv_heads, summaries.page_size, summaries.rank
     g = hq // hkv
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim={d}: the packed score kernel supports {HEAD_DIMS}")
+    if d not in KERNEL_HEAD_DIMS:
+        raise ValueError(f"head_dim={d}: the packed score kernel supports {KERNEL_HEAD_DIMS}")
     if r not in (8, 16):
         raise ValueError(f"rank={r}: the packed score kernel supports ranks 8 and 16")
     if unpack not in (None, 1, 2) or (unpack == 2 and not queries.is_cuda):
@@ -217,7 +209,8 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
     if dot not in ("auto", "fp16"):
         raise ValueError(f"dot={dot!r}: allowed 'auto' or 'fp16'")
     max_pages = block_table.shape[1]
-    ws = workspace or score_workspace(bsz, hkv, g, max_pages, queries.device)
+    ws = workspace or ScoreWorkspace.allocate(bsz, hkv, g, max_pages, queries.device,
+                                              launch_sizes(max_pages, bsz * hkv, queries.device, 32))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     tuned = queries.is_cuda and not launch
     kernel = _score_packed_tuned if tuned else _score_packed_kernel
@@ -231,12 +224,12 @@ def score_pages_packed(queries: torch.Tensor, summaries: PagedSummaries, block_t
     if coef not in (2, 3):
         raise ValueError(f"coef={coef!r}: allowed 2 (FMA broadcast) or 3 (block-diagonal page-pair dots)")
     if coef == 3 and gq == 1 and queries.is_cuda:
-        raise ValueError("coef=3 with G = 1 gives wrong scores on the H200 (see supports()); use coef=2")
+        raise ValueError("coef=3 with G = 1 gives wrong scores on the H200 (see the module doc); use coef=2")
     dot_dt = tl.float16 if half and (unpack == 2 or dot == "fp16") else dot_dtype(queries.dtype)
-    kernel[(ws["n_chunks"], bsz * hkv)](
+    kernel[(ws.n_chunks, bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
         summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
-        seq_lens, ws["scores"], ws["stats"], hkv, g, max_pages, ws["n_chunks"], ws["ppp"], scale * LOG2E,
+        seq_lens, ws.scores, ws.stats, hkv, g, max_pages, ws.n_chunks, ws.ppp, scale * LOG2E,
         GQ=gq, D=d, S=s, R=r, DOT_DT=dot_dt,
         PREC="tf32" if half else "ieee", UNPACK=unpack, COEF=coef, **launch,
     )

@@ -23,6 +23,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.selection._common import (
     NEG_INF, block_bounds, check_bits, fake_quant, full_pages, mask_empty_pages, page_mask, token_weights,
 )
+from kvlocks.selection.matched_bytes import centroid_bytes
 
 
 def page_centroids(
@@ -91,7 +92,3 @@ class CentroidSelector:
         return float(full_pages * sum(self.bytes_per_page(config, head_dim, elem_size)))
 
 
-def centroid_bytes(head_dim: int, sub_pages: int, bits: int | None, elem_size: int = 2) -> tuple[int, int]:
-    """``(payload, scales)`` per page: ``sub_pages`` centroids of ``head_dim`` values."""
-    width = elem_size if bits is None else bits // 8
-    return sub_pages * head_dim * width, (2 * sub_pages if bits == 8 else 0)

@@ -16,7 +16,7 @@ grid ``(chunks, B * Hkv)``, does all three:
    no more than the pages to choose, as with a single chunk). No program waits on another, so
    the order in which programs run does not matter (the CPU interpreter runs them in turn).
 
-Same selection as :func:`kvlocks.dispatch.select_pages` applied to the ranking that
+Same selection as :func:`kvlocks.plan.paged_select` applied to the ranking that
 :func:`kvlocks.scoring.triton.score_pages_paged` returns (up to float rounding of the ranking:
 the heads are summed in a different order). Static grid, no host synchronisation: graph-capturable.
 """
@@ -27,22 +27,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlocks.config import KernelOptions, default_kernel_options
 from kvlocks.pdl import enabled as pdl_enabled
-from kvlocks.scoring.triton import _LN2, _LOG2E, RULES, _check_rule, row_lse2, stats_block
-from kvlocks.selection.triton import (
-    _forced, _orderkey, check_select_args, chunk_winners, merge_meta, merge_row, select_workspace,
-)
+from kvlocks.scoring.triton_combine import _LN2, _LOG2E, RULES, ScoreWorkspace, check_rule, row_lse2, stats_block
+from kvlocks.selection.triton import SelectWorkspace, check_select_args, merge_meta, merge_row, select_workspace
+from kvlocks.selection.triton_radix import _forced, _orderkey, chunk_winners
 
 SINGLE_MAX = 1536  # rows of at most this many pages are selected by one program (no merge radix)
-UNROLL_HEADS = True  # workspace["unroll_heads"] overrides (a probe option)
 
 
 def default_warps(chunk: int, n_chunks: int = 2) -> int:
     """Warps per program: 16 from 2048 pages per program when a row has several programs, else 8.
-    On the H200 (``scripts/device/plan_probe.py``, glm4-9b-1m shape, batch 1, right after the score
+    On the H200 (docs/benchmarks.md; glm4-9b-1m shape, batch 1, right after the score
     kernel, so the per-head scores come from DRAM): 1M tokens (4096 pages per program) 63 us at 8
     warps, 38 at 16, 121 at 4; 256K (2048) 26 -> 21. A row's single program of 2048 (16K tokens
-    plus decode room) is faster at 8 (``small_ctx_probe.py``, session 13: 8.14 vs 8.80 us)."""
+    plus decode room) is faster at 8 (8.14 vs 8.80 us)."""
     return 16 if chunk >= 2048 and n_chunks > 1 else 8
 
 
@@ -68,17 +67,15 @@ def _fold_head(acc, mx, sc_ptr, g, offs, pmask, lse2, gi, max_pages, RULE: tl.co
 def _rank_chunk(sc_ptr, offs, pmask, lse2, G, max_pages, CH: tl.constexpr, GP: tl.constexpr, RULE: tl.constexpr,
                 GU: tl.constexpr):
     """Combined ranking of pages ``offs`` from the per-head scores at ``sc_ptr`` (``[G, max_pages]``,
-    natural log), one head at a time, the same rules as the combine kernel. ``GU`` > 0: the loop
-    over the heads unrolled at compile time (``GU == G``), so the G loads can be in flight at once."""
+    natural log), one head at a time, the same rules as the combine kernel. The loop over the heads
+    is unrolled at compile time (``GU == G``), so the G loads can be in flight at once (timed against
+    a runtime loop on the H200, score + fused selection, glm4-9b-1m: 1M 131.1 vs 131.1 us, 32K 22.1
+    vs 22.0)."""
     gi = tl.arange(0, GP)
     acc = tl.zeros([CH], tl.float32)
     mx = tl.full([CH], float("-inf"), tl.float32)
-    if GU > 0:
-        for g in tl.static_range(GU):
-            acc, mx = _fold_head(acc, mx, sc_ptr, g, offs, pmask, lse2, gi, max_pages, RULE)
-    else:
-        for g in range(G):
-            acc, mx = _fold_head(acc, mx, sc_ptr, g, offs, pmask, lse2, gi, max_pages, RULE)
+    for g in tl.static_range(GU):
+        acc, mx = _fold_head(acc, mx, sc_ptr, g, offs, pmask, lse2, gi, max_pages, RULE)
     if RULE == 2:
         return (mx + tl.log2(acc)) * _LN2
     if RULE == 0:
@@ -92,8 +89,7 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
                         SINK: tl.constexpr, RECENT: tl.constexpr, CH: tl.constexpr, M: tl.constexpr,
                         GP: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
                         KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
-                        HAS_SS: tl.constexpr, GU: tl.constexpr, EARLY: tl.constexpr, REGS: tl.constexpr,
-                        BITS: tl.constexpr, REBASE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        HAS_SS: tl.constexpr, GU: tl.constexpr, REGS: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched early (kvlocks.pdl): wait for the score kernel, then let the attention launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -119,24 +115,23 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
     valid = (offs < limit) & ~forced
     need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
     chunk_winners(_orderkey(tl.where(valid, rank, 0.0)), valid, offs, need, (row * n_chunks + c).to(tl.int64),
-                  ckey_ptr, cidx_ptr, ccnt_ptr, M, EARLY, BITS, REBASE)
+                  ckey_ptr, cidx_ptr, ccnt_ptr, M)
     tl.debug_barrier()  # every thread's winners are written before the ticket is taken
     ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
     if ticket == n_chunks - 1:  # the last program of the row to arrive merges it
         tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
         merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK, RECENT, M, TILE, KP,
-                  SP, RP, CP, EARLY, REGS, BITS, REBASE)
+                  SP, RP, CP, REGS)
 
 
 def default_fused_chunk(max_pages: int) -> int:
     """Pages per program. One program per row up to SINGLE_MAX pages, 512 up to 5120 (80K tokens),
     2048 below 32768, then 4096. On the H200, batch 1, the selection alone after the score kernel
-    (``scripts/device/small_ctx_probe.py``, session 13, us glm4-9b-1m / llama3-8b): 16K (1024 pages)
+    (docs/benchmarks.md, us glm4-9b-1m / llama3-8b): 16K (1024 pages)
     one program 8.11 / 7.96, 512 per program 8.97 / 8.31; 32K (2048) one program 10.96 / 10.04,
     1024 10.61 / 9.79, 512 9.43 / 8.78; 64K (4096) 2048 12.63 / 11.77, 1024 11.47 / 10.27, 512
-    10.31 / 10.30. From 128K, end to end (``scripts/device/select_ab.py``, GLM-4-9B shape, against
-    the unfused path, session 10): 2048 at 64K -2.7%, 128K -1.8% (1024 there +2.3/+3.2%), 256K -0.3%;
-    4096 at 1M -2.2/-3.4%."""
+    10.31 / 10.30. From 128K, end to end (GLM-4-9B shape, against the unfused path): 2048 at 64K
+    -2.7%, 128K -1.8% (1024 there +2.3/+3.2%), 256K -0.3%; 4096 at 1M -2.2/-3.4%."""
     if max_pages <= SINGLE_MAX:
         return max(16, triton.next_power_of_2(max_pages))
     if max_pages <= 5120:
@@ -144,15 +139,17 @@ def default_fused_chunk(max_pages: int) -> int:
     return 2048 if max_pages < 32768 else 4096
 
 
-def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device, chunk: int | None = None) -> dict:
+def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device,
+                    chunk: int | None = None) -> SelectWorkspace:
     """Buffers for :func:`rank_and_select` (a :func:`select_workspace` with the fused chunk size)."""
     return select_workspace(batch, num_kv_heads, max_pages, k, device,
                             chunk=default_fused_chunk(max_pages) if chunk is None else chunk)
 
 
-def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k: int, combine: str = "mean_share",
-                    sink_pages: int = 1, recent_pages: int = 1, sink_start: torch.Tensor | None = None,
-                    workspace: dict | None = None) -> torch.Tensor:
+def rank_and_select(score_ws: ScoreWorkspace, seq_lens: torch.Tensor, *, page_size: int, k: int,
+                    combine: str = "mean_share", sink_pages: int = 1, recent_pages: int = 1,
+                    sink_start: torch.Tensor | None = None, workspace: SelectWorkspace | None = None,
+                    options: KernelOptions | None = None) -> torch.Tensor:
     """Pages to attend per (sequence, KV head), from a score pass run with ``rank=False``.
 
     Parameters
@@ -161,31 +158,31 @@ def rank_and_select(score_ws: dict, seq_lens: torch.Tensor, *, page_size: int, k
         ``score_pages_paged(..., rank=False)``: its ``scores`` and ``stats`` are read, its ``lse``
         and ``ranking`` written (as the combine pass would)
     seq_lens : int32 ``[B]``; sink_start : int32 ``[B]`` or None
-    k, sink_pages, recent_pages, combine : as :func:`kvlocks.dispatch.select_pages` and Eq. 5's rule
+    k, sink_pages, recent_pages, combine : as :func:`kvlocks.plan.paged_select` and Eq. 5's rule
     workspace : from :func:`fused_workspace` (allocated here when omitted)
+    options : KernelOptions (None: the defaults); ``pdl`` is read
 
     Returns
     -------
-    int32 ``[B, Hkv, k]`` ascending logical page ids, -1 padded (a view of the workspace's buffer).
+    int32 ``[B, Hkv, k]`` ascending logical page ids, -1 padded (the workspace's buffer).
     """
     check_select_args(k, sink_pages, recent_pages)
-    _check_rule(combine)
-    scores = score_ws["scores"]
+    check_rule(combine)
+    scores = score_ws.scores
     bsz, hkv, g, max_pages = scores.shape
     if seq_lens.shape != (bsz,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 [{bsz}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     ws = workspace or fused_workspace(bsz, hkv, max_pages, k, scores.device)
-    if ws["out"].shape != (bsz, hkv, k):
-        raise ValueError(f"workspace is for output {tuple(ws['out'].shape)}, not {(bsz, hkv, k)}")
+    if ws.out.shape != (bsz, hkv, k):
+        raise ValueError(f"workspace is for output {tuple(ws.out.shape)}, not {(bsz, hkv, k)}")
     ss = sink_start if sink_start is not None else seq_lens
-    pdl = pdl_enabled(scores.device)
-    _rank_select_kernel[(ws["n_chunks"], bsz * hkv)](
-        scores, score_ws["stats"], score_ws["n_chunks"], seq_lens, ss, score_ws["ranking"], score_ws["lse"],
-        ws["keys"], ws["idx"], ws["count"], ws["done"], ws["out"], hkv, g, max_pages, ws["n_chunks"],
-        S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws["chunk"], GP=score_ws["stats"].shape[-1],
-        RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None,
-        GU=g if ws.get("unroll_heads", UNROLL_HEADS) else 0, **merge_meta(ws, k, sink_pages, recent_pages),
-        num_warps=ws.get("num_warps") or default_warps(ws["chunk"], ws["n_chunks"]), PDL=pdl,
+    pdl = pdl_enabled(scores.device, (options or default_kernel_options()).pdl)
+    _rank_select_kernel[(ws.n_chunks, bsz * hkv)](
+        scores, score_ws.stats, score_ws.n_chunks, seq_lens, ss, score_ws.ranking, score_ws.lse,
+        ws.keys, ws.idx, ws.count, ws.done, ws.out, hkv, g, max_pages, ws.n_chunks,
+        S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws.chunk, GP=score_ws.stats.shape[-1],
+        RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None, GU=g,
+        **merge_meta(ws, k, sink_pages, recent_pages), num_warps=default_warps(ws.chunk, ws.n_chunks), PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),
     )
-    return ws["out"]
+    return ws.out

@@ -33,8 +33,9 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.selection._common import (
-    check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask, scale_bytes,
+    check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask,
 )
+from kvlocks.selection.matched_bytes import loki_bytes, matched_loki
 
 HOW_TO_CALIBRATE = (
     "the 'loki' selector needs an offline PCA calibration, fitted on text different from the "
@@ -105,11 +106,6 @@ def calibrate(model, calibration_ids: torch.Tensor) -> LokiCalibration:
     return LokiCalibration.fit([layer.keys for layer in cache.layers])
 
 
-def loki_bytes(page_size: int, rank: int, bits: int) -> tuple[int, int]:
-    """``(payload, scales)`` per page: the first ``r`` rotated dims of ``S`` keys at ``bits``."""
-    return page_size * rank * (bits // 8), scale_bytes(bits, page_size)
-
-
 class LokiSelector:
     """Exact page LSE of rank-r PCA-projected logits; see the module docstring.
 
@@ -140,8 +136,6 @@ class LokiSelector:
 
     def resolved_rank(self, config: LocksConfig, head_dim: int) -> int:
         if self.rank is None:
-            from kvlocks.selection.matched_bytes import matched_loki
-
             return matched_loki(config, head_dim, bits=self.bits)["rank"]
         if self.rank > head_dim:
             raise ValueError(f"LokiSelector.rank={self.rank}: must be <= head_dim={head_dim}")

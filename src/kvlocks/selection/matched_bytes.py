@@ -25,6 +25,9 @@ shadowkv    rank r<=D       S * r * b + D * b (+ 2 (S+1) at int8)   8
 with ``b = bits / 8``. Loki and ShadowKV also read one shared ``[D, r]`` float16 basis per KV
 head and step; it does not grow with the context, so it is left out of the per-page match (their
 ``selection_bytes`` counts it).
+
+The byte formulas of each baseline live here, so the selectors and the matching both read them
+from one module; :func:`kvlocks.selection.selectors.matched_selector` builds a matched instance.
 """
 
 from __future__ import annotations
@@ -32,11 +35,30 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import check_bits
-from kvlocks.selection.centroid import CentroidSelector, centroid_bytes
-from kvlocks.selection.loki import LokiSelector, loki_bytes
-from kvlocks.selection.quest import QuestSelector, envelope_bytes
-from kvlocks.selection.shadowkv import ShadowKVSelector, shadowkv_bytes
+from kvlocks.selection._common import check_bits, scale_bytes
+
+
+def envelope_bytes(head_dim: int, sub_pages: int, bits: int | None, elem_size: int = 2) -> tuple[int, int]:
+    """Quest: ``(payload, scales)`` per page: ``sub_pages`` min/max pairs of ``head_dim`` values."""
+    width = elem_size if bits is None else bits // 8
+    return sub_pages * 2 * head_dim * width, (2 * sub_pages if bits == 8 else 0)
+
+
+def centroid_bytes(head_dim: int, sub_pages: int, bits: int | None, elem_size: int = 2) -> tuple[int, int]:
+    """Centroid: ``(payload, scales)`` per page: ``sub_pages`` centroids of ``head_dim`` values."""
+    width = elem_size if bits is None else bits // 8
+    return sub_pages * head_dim * width, (2 * sub_pages if bits == 8 else 0)
+
+
+def loki_bytes(page_size: int, rank: int, bits: int) -> tuple[int, int]:
+    """Loki: ``(payload, scales)`` per page: the first ``r`` rotated dims of ``S`` keys at ``bits``."""
+    return page_size * rank * (bits // 8), scale_bytes(bits, page_size)
+
+
+def shadowkv_bytes(head_dim: int, page_size: int, rank: int, bits: int) -> tuple[int, int]:
+    """ShadowKV: ``(payload, scales)`` per page: ``S * r`` coefficients and one centroid at ``bits``."""
+    w = bits // 8
+    return page_size * rank * w + head_dim * w, scale_bytes(bits, page_size + 1)
 
 
 def locks_page_bytes(config: LocksConfig, head_dim: int) -> int:
@@ -97,7 +119,6 @@ def matched_shadowkv(config: LocksConfig, head_dim: int, *, bits: int = 8) -> di
 
 
 MATCHED = {"quest": matched_quest, "centroid": matched_centroid, "loki": matched_loki, "shadowkv": matched_shadowkv}
-_CLASSES = {"quest": QuestSelector, "centroid": CentroidSelector, "loki": LokiSelector, "shadowkv": ShadowKVSelector}
 
 
 def matched_settings(name: str, config: LocksConfig, head_dim: int, **kwargs) -> dict:
@@ -105,9 +126,3 @@ def matched_settings(name: str, config: LocksConfig, head_dim: int, **kwargs) ->
     if name not in MATCHED:
         raise ValueError(f"matched_settings: name={name!r}; allowed {sorted(MATCHED)}")
     return MATCHED[name](config, head_dim, **kwargs)
-
-
-def matched_selector(name: str, config: LocksConfig, head_dim: int, *, bits: int | None = None, **selector_kwargs):
-    """A selector instance at matched bytes, e.g. ``matched_selector("loki", cfg, 64, calibration=calib)``."""
-    settings = matched_settings(name, config, head_dim, **({} if bits is None else {"bits": bits}))
-    return _CLASSES[name](**selector_kwargs, **settings)

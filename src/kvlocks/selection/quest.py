@@ -27,6 +27,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.selection._common import (
     NEG_INF, block_bounds, check_bits, full_pages, mask_empty_pages, page_mask,
 )
+from kvlocks.selection.matched_bytes import envelope_bytes
 
 _INT8_MARGIN = 1.0 + 2.0**-20  # keeps |x / scale| strictly inside 127 after fp32 rounding
 
@@ -151,7 +152,3 @@ class QuestSelector:
         return float(full_pages * sum(self.bytes_per_page(config, head_dim, elem_size)))
 
 
-def envelope_bytes(head_dim: int, sub_pages: int, bits: int | None, elem_size: int = 2) -> tuple[int, int]:
-    """``(payload, scales)`` per page: ``sub_pages`` min/max pairs of ``head_dim`` values."""
-    width = elem_size if bits is None else bits // 8
-    return sub_pages * 2 * head_dim * width, (2 * sub_pages if bits == 8 else 0)

@@ -22,6 +22,7 @@ from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages
 from kvlocks.selection._common import page_mask
 from kvlocks.selection.centroid import CentroidSelector
 from kvlocks.selection.loki import LokiSelector
+from kvlocks.selection.matched_bytes import matched_settings
 from kvlocks.selection.oracle_per_head import OraclePerHeadSelector
 from kvlocks.selection.quest import QuestSelector
 from kvlocks.selection.random_sel import RandomSelector
@@ -120,6 +121,16 @@ def get_selector(name: str) -> Selector:
         return SELECTORS[name]
     except KeyError:
         raise ValueError(f"unknown selector {name!r}; allowed {sorted(SELECTORS)}") from None
+
+
+_MATCHABLE = {"quest": QuestSelector, "centroid": CentroidSelector, "loki": LokiSelector, "shadowkv": ShadowKVSelector}
+
+
+def matched_selector(name: str, config: LocksConfig, head_dim: int, *, bits: int | None = None, **selector_kwargs):
+    """A selector instance at LOCKS's bytes per page (:mod:`kvlocks.selection.matched_bytes`), e.g.
+    ``matched_selector("loki", cfg, 64, calibration=calib)``."""
+    settings = matched_settings(name, config, head_dim, **({} if bits is None else {"bits": bits}))
+    return _MATCHABLE[name](**selector_kwargs, **settings)
 
 
 def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, selector: Selector) -> torch.Tensor:

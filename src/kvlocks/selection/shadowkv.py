@@ -27,9 +27,10 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.selection._common import (
-    check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask, scale_bytes,
+    check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask,
     token_weights,
 )
+from kvlocks.selection.matched_bytes import matched_shadowkv, shadowkv_bytes
 
 
 def sequence_basis(dev: torch.Tensor, rank: int) -> torch.Tensor:
@@ -41,12 +42,6 @@ def sequence_basis(dev: torch.Tensor, rank: int) -> torch.Tensor:
     gram = x.transpose(-1, -2) @ x  # [..., D, D]
     _, evecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     return evecs.flip(-1)[..., :rank].transpose(-1, -2).float()  # [..., r, D]
-
-
-def shadowkv_bytes(head_dim: int, page_size: int, rank: int, bits: int) -> tuple[int, int]:
-    """``(payload, scales)`` per page: ``S * r`` coefficients and one centroid at ``bits``."""
-    w = bits // 8
-    return page_size * rank * w + head_dim * w, scale_bytes(bits, page_size + 1)
 
 
 class ShadowKVSelector:
@@ -74,8 +69,6 @@ class ShadowKVSelector:
 
     def resolved_rank(self, config: LocksConfig, head_dim: int) -> int:
         if self.rank is None:
-            from kvlocks.selection.matched_bytes import matched_shadowkv
-
             return matched_shadowkv(config, head_dim, bits=self.bits)["rank"]
         if self.rank > head_dim:
             raise ValueError(f"ShadowKVSelector.rank={self.rank}: must be <= head_dim={head_dim}")

@@ -22,17 +22,17 @@ from kvlocks.summary.types import PageSummaries
 # trustworthy down to ~1e-8 * sigma_1; 1e-6 keeps a wide margin and never produces NaN.
 _REL_SIGMA_FLOOR = 1e-6
 # Pages per batched eigensolve. On a GPU, cuSOLVER's batched solver sizes its workspace by the whole
-# batch: one call on 2 x 16,387 pages asked for 19 GiB on the H200 (session 9). Slices bound the
-# workspace; each matrix's decomposition is independent of the others in its batch.
-_EIGH_SLICE = 4096
+# batch: one call on 2 x 16,387 pages asked for 19 GiB on the H200. Slices bound the workspace; each
+# matrix's decomposition is independent of the others in its batch.
+EIGH_SLICE = 4096
 
 
-def _eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.linalg.eigh`` of a batch of small symmetric matrices, ``_EIGH_SLICE`` at a time."""
-    if gram[..., 0, 0].numel() <= _EIGH_SLICE:
+def _eigh(gram: torch.Tensor, slice_pages: int = EIGH_SLICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh`` of a batch of small symmetric matrices, ``slice_pages`` at a time."""
+    if gram[..., 0, 0].numel() <= slice_pages:
         return torch.linalg.eigh(gram)
     flat = gram.reshape(-1, *gram.shape[-2:])
-    parts = [torch.linalg.eigh(flat[i : i + _EIGH_SLICE]) for i in range(0, flat.shape[0], _EIGH_SLICE)]
+    parts = [torch.linalg.eigh(flat[i : i + slice_pages]) for i in range(0, flat.shape[0], slice_pages)]
     evals = torch.cat([p[0] for p in parts]).reshape(gram.shape[:-1])
     evecs = torch.cat([p[1] for p in parts]).reshape(gram.shape)
     return evals, evecs

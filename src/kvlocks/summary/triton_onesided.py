@@ -1,4 +1,4 @@
-"""The one-sided solver of the summary build (:mod:`kvlocks.summary.triton`, rotation 5): Hestenes
+"""The one-sided solver of the summary build (:mod:`kvlocks.summary.triton`, ``"onesided"``): Hestenes
 Jacobi on the centred keys themselves, the rows rotated in XOR pairs until orthogonal (no Gram), the
 coefficients from the accumulated rotations."""
 

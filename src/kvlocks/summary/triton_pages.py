@@ -27,13 +27,11 @@ def _scale_up(s):
 
 
 @triton.jit
-def _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S: tl.constexpr, VOLATILE: tl.constexpr = False):
-    """Centred keys of BP pages as even/odd halves of D: ``[BP, S, D/2]`` each, and the means.
-    ``VOLATILE``: a load the compiler may not merge with an earlier one (a reload after the
-    solver, so the keys are not held in registers through it)."""
+def _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S: tl.constexpr):
+    """Centred keys of BP pages as even/odd halves of D: ``[BP, S, D/2]`` each, and the means."""
     ptr = k_ptr + base[:, None, None] + s_idx[None, :, None] * stride_ks + 2 * j[None, None, :]
-    ke = tl.load(ptr, mask=ok[:, None, None], other=0.0, volatile=VOLATILE).to(tl.float32)
-    ko = tl.load(ptr + 1, mask=ok[:, None, None], other=0.0, volatile=VOLATILE).to(tl.float32)
+    ke = tl.load(ptr, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    ko = tl.load(ptr + 1, mask=ok[:, None, None], other=0.0).to(tl.float32)
     mue = tl.sum(ke, axis=1) / S
     muo = tl.sum(ko, axis=1) / S
     return ke - mue[:, None, :], ko - muo[:, None, :], mue, muo

@@ -1,8 +1,13 @@
-"""The two-sided solvers of the summary build (:mod:`kvlocks.summary.triton`, rotations 0-4): the
-page's Gram ``dev dev^T`` diagonalised by parallel cyclic Jacobi (round-robin or XOR pairings, the
-rotations applied by gathers or batched dots, or the lean form that tracks the diagonal in closed
-form), then the basis ``v_r = dev^T u_r / |.|`` and coefficients ``dev v_r`` (per rank, or as
-batched dots)."""
+"""The "lean" solver of the summary build (:mod:`kvlocks.summary.triton`): the page's Gram
+``dev dev^T`` diagonalised by parallel cyclic Jacobi (round-robin pairings, the rotations applied by
+gathers, the diagonal tracked in closed form), then the basis ``v_r = dev^T u_r / |.|`` and the
+coefficients ``dev v_r``, one rank at a time.
+
+Variants timed on the H200 and not kept (whole model at 1M, llama3-8b / glm4-9b-1m, s;
+docs/benchmarks.md): four masked reductions per step instead of the tracked diagonal 2.51 / 1.57
+against 1.18 / 0.75; rotations as batched dots 2.29 / 1.44; XOR pairings and the basis and
+coefficients as batched dots, with or without a register cap, 1.17-1.35 / 0.74-0.85 against 1.18 /
+0.75."""
 
 from __future__ import annotations
 
@@ -41,23 +46,6 @@ def _rotate_by_gathers(a, v, c, sg, part, BP: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def _jacobi_gathers(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
-    """Cyclic parallel Jacobi: the pair entries read from the tile by masked reductions each step,
-    rotations applied by gathers (exact float32). Returns (A, V); eigenvalues = diag(A)."""
-    ii = tl.arange(0, S)
-    for _sweep in range(n_sweeps):
-        for t in range(S - 1):
-            part, pm = _pairs(t, ii, S)
-            diag = tl.sum(a * eye[None, :, :], axis=2)
-            dpart = tl.sum(diag[:, None, :] * pm[None, :, :], axis=2)
-            apq = 0.5 * (tl.sum(a * pm[None, :, :], axis=2) + tl.sum(a * tl.trans(pm)[None, :, :], axis=1))
-            is_p = (ii < part)[None, :]
-            _, c, sg = _rotation(tl.where(is_p, diag, dpart), tl.where(is_p, dpart, diag), apq, is_p)
-            a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
-    return a, v
-
-
-@triton.jit
 def _tracked_step(a, diag, part, ii, BP: tl.constexpr, S: tl.constexpr):
     """One step's rotations for the pairs (i, part[i]) with the diagonal tracked in closed form
     (a_pp -= t a_pq, a_qq += t a_pq): a_pq from one masked reduction plus a gather of an ``[BP, S]``
@@ -75,8 +63,8 @@ def _tracked_step(a, diag, part, ii, BP: tl.constexpr, S: tl.constexpr):
 
 @triton.jit
 def _jacobi_lean(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
-    """:func:`_jacobi_gathers` with :func:`_tracked_step`: one masked reduction over the tile per
-    step instead of four. Returns (A, V, tracked eigenvalues)."""
+    """Cyclic parallel Jacobi with :func:`_tracked_step` (one masked reduction over the tile per
+    step), rotations applied by gathers (exact float32). Returns (A, V, tracked eigenvalues)."""
     ii = tl.arange(0, S)
     diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
     for _sweep in range(n_sweeps):
@@ -84,51 +72,6 @@ def _jacobi_lean(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr):
             part, _ = _pairs(t, ii, S)
             _, c, sg, diag = _tracked_step(a, diag, part, ii, BP, S)
             a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
-    return a, v, diag
-
-
-@triton.jit
-def _xor_step(a, v, diag, part, ii, BP: tl.constexpr, S: tl.constexpr):
-    """One step of :func:`_jacobi_xor` for the pairs (i, part[i])."""
-    _, c, sg, diag = _tracked_step(a, diag, part, ii, BP, S)
-    a, v = _rotate_by_gathers(a, v, c, sg, part, BP, S)
-    return a, v, diag
-
-
-@triton.jit
-def _jacobi_xor(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, UNROLL: tl.constexpr):
-    """:func:`_jacobi_lean` with the pairs of step m (1..S-1) = (i, i XOR m): every pair meets once
-    per sweep; the partner index is one XOR instead of a modulo. ``UNROLL``: the S-1 steps unrolled,
-    so each step's partners, masks and signs are compile-time constants (larger code). Returns
-    (A, V, tracked eigenvalues)."""
-    ii = tl.arange(0, S)
-    diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
-    for _sweep in range(n_sweeps):
-        if UNROLL:
-            for m in tl.static_range(1, S):
-                a, v, diag = _xor_step(a, v, diag, ii ^ m, ii, BP, S)
-        else:
-            for m in range(1, S):
-                a, v, diag = _xor_step(a, v, diag, ii ^ m, ii, BP, S)
-    return a, v, diag
-
-
-@triton.jit
-def _jacobi_dots(a, v, eye, n_sweeps, BP: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
-    """:func:`_tracked_step` with the rotations applied as batched dots with the rotation matrix J
-    (``A <- J^T (A J)``, ``V <- V J``; ``tf32x3`` on the GPU): no gathers of the tiles. Returns
-    (A, V, tracked eigenvalues)."""
-    ii = tl.arange(0, S)
-    diag = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S]
-    for _sweep in range(n_sweeps):
-        for t in range(S - 1):
-            part, _ = _pairs(t, ii, S)
-            pm, c, sg, diag = _tracked_step(a, diag, part, ii, BP, S)
-            # J[k, j] = c_j (k == j) + sg_j (k == partner(j));  J^T[j, k] likewise by rows
-            jm = c[:, None, :] * eye[None, :, :] + sg[:, None, :] * tl.trans(pm)[None, :, :]
-            jt = c[:, :, None] * eye[None, :, :] + sg[:, :, None] * pm[None, :, :]
-            a = tl.dot(jt, tl.dot(a, jm, input_precision=PRECISION), input_precision=PRECISION)
-            v = tl.dot(v, jm, input_precision=PRECISION)
     return a, v, diag
 
 
@@ -156,64 +99,22 @@ def _basis_coefs_loop(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, 
 
 
 @triton.jit
-def _basis_coefs_dots(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr, cscale_ptr,
-                      BP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                      PRECISION: tl.constexpr):
-    """:func:`_basis_coefs_loop` for all ranks at once: eigenvectors sorted by a gather, then basis
-    ``U^T dev`` and coefficients ``dev B^T`` as batched ``tl.dot``s (``tf32x3`` on the GPU) over S
-    rank slots, those >= R (and dropped directions) zeroed."""
-    ii = tl.arange(0, S)
-    order = tl.sum(tl.where(rank[:, :, None] == ii[None, None, :], ii[None, :, None], 0), axis=1)  # [BP, S]
-    vs = tl.gather(v, tl.broadcast_to(order[:, None, :], (BP, S, S)), 2)  # column r: r-th eigenvector
-    keep = (tl.gather(lam, order, 1) > floor[:, None]) & (floor >= 0.0)[:, None] & (ii < R)[None, :]
-    ut = tl.permute(vs, (0, 2, 1))
-    be = tl.dot(ut, de, input_precision=PRECISION)  # [BP, S, D/2]: row r = dev^T u_r (even dims)
-    bo = tl.dot(ut, do, input_precision=PRECISION)
-    nrm = tl.sqrt(tl.sum(be * be, axis=2) + tl.sum(bo * bo, axis=2))  # [BP, S]
-    inv = tl.where(keep & (nrm > 0.0), 1.0 / tl.where(nrm > 0.0, nrm, 1.0), 0.0)
-    be = be * inv[:, :, None]
-    bo = bo * inv[:, :, None]
-    coefs = tl.dot(de, tl.permute(be, (0, 2, 1)), input_precision=PRECISION)  # [BP, S tokens, S slots]
-    coefs = tl.dot(do, tl.permute(bo, (0, 2, 1)), acc=coefs, input_precision=PRECISION)
-    rows = tl.minimum(ii, R - 1)[None, :]  # slots >= R masked out below
-    _store_basis_row(be, bo, ph[:, None], rows, ok[:, None] & (ii < R)[None, :], j[None, None, :], basis_ptr,
-                     bscale_ptr, D, R)
-    _store_coefs(coefs, ph, ok, s_idx, ii, coef_ptr, cscale_ptr, S, R)
-
-
-@triton.jit
-def _build_twosided(de, do, n_sweeps, floor2, ph, ok, j, s_idx, it, im, base, k_ptr, stride_ks, eig_ptr,
-                    basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                    BP: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr, ROT: tl.constexpr,
-                    FINISH: tl.constexpr, RELOAD_VOLATILE: tl.constexpr):
-    """Gram, two-sided Jacobi (``ROT`` 0-4), basis and coefficients (``FINISH``)."""
+def _build_lean(de, do, n_sweeps, floor2, ph, ok, j, s_idx, it, im, base, k_ptr, stride_ks, eig_ptr,
+                basis_ptr, bscale_ptr, coef_ptr, cscale_ptr, S: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                BP: tl.constexpr, WRITE_EIG: tl.constexpr, PRECISION: tl.constexpr):
+    """Gram, two-sided Jacobi, basis and coefficients."""
     a = tl.dot(de, tl.permute(de, (0, 2, 1)), input_precision=PRECISION)
     a = tl.dot(do, tl.permute(do, (0, 2, 1)), acc=a, input_precision=PRECISION)  # Gram [BP, S, S]
     a = 0.5 * (a + tl.permute(a, (0, 2, 1)))
     ii = tl.arange(0, S)
     eye = (ii[:, None] == ii[None, :]).to(tl.float32)
     v = tl.zeros([BP, S, S], tl.float32) + eye[None, :, :]
-    if ROT == 1:
-        a, v, lam = _jacobi_dots(a, v, eye, n_sweeps, BP, S, PRECISION)
-    elif ROT == 2:
-        a, v, lam = _jacobi_lean(a, v, eye, n_sweeps, BP, S)
-    elif ROT == 3:
-        a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, False)
-    elif ROT == 4:
-        a, v, lam = _jacobi_xor(a, v, eye, n_sweeps, BP, S, True)
-    else:
-        a, v = _jacobi_gathers(a, v, eye, n_sweeps, BP, S)
-        lam = tl.sum(a * eye[None, :, :], axis=2)  # [BP, S] eigenvalues, eigenvectors = columns of v
+    a, v, lam = _jacobi_lean(a, v, eye, n_sweeps, BP, S)
     rank = _descending_rank(lam, ii)
     if WRITE_EIG:
         tl.store(eig_ptr + it[:, None].to(tl.int64) * S + rank, lam, mask=im[:, None])
     floor = floor2 * tl.max(lam, axis=1)
-    # reloaded; as a volatile load with a register cap (RELOAD_VOLATILE), else the compiler merges it
-    # with the first and keeps those values live through the solver (uncapped that costs nothing)
-    de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S, RELOAD_VOLATILE)
-    if FINISH == 1:
-        _basis_coefs_dots(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
-                          cscale_ptr, BP, S, D, R, PRECISION)
-    else:
-        _basis_coefs_loop(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
-                          cscale_ptr, BP, S, D, R)
+    # reloaded: the compiler merges this load with the first and keeps the keys live through the solver
+    de, do, mue, muo = _dev_halves(k_ptr, base, ok, s_idx, j, stride_ks, S)
+    _basis_coefs_loop(de, do, v, lam, rank, floor, ph, ok, j, s_idx, basis_ptr, bscale_ptr, coef_ptr,
+                      cscale_ptr, BP, S, D, R)

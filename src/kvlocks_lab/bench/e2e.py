@@ -24,151 +24,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvlocks._config_io import ConfigIO, check_int
-from kvlocks.config import LocksConfig
-from kvlocks.dispatch import resolve_backend
+from kvlocks import env
+from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.engine.attention import DENSE_KERNEL, DENSE_REFERENCE
 from kvlocks.engine.cache import StaticPagedCache
 from kvlocks.engine.graph import StepRunner
 from kvlocks.engine.overlap import PrefillBuild
-from kvlocks.engine.models import SHAPES, model_config, random_model
-from kvlocks.engine.parts import ModelParts, model_parts
+from kvlocks.engine.models import model_config, random_model
+from kvlocks.engine.parts import model_parts
 from kvlocks.engine.prefill import prefill, prefill_bytes
-from kvlocks.engine.step import DecodeStep
+from kvlocks.engine.step import COMPILE_MODE, DecodeStep
+from kvlocks.plan import resolve_backend
+from kvlocks_lab.bench.e2e_config import DTYPES, ROW_KEYS, E2EBenchConfig
+from kvlocks_lab.bench.e2e_timing import (  # noqa: F401 (copy_bandwidth, step_bytes, _time_steps: probes)
+    _elapsed_s, _free, _now, _quantile, _sync, _time_steps, copy_bandwidth, step_bytes,
+)
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-ROW_KEYS = ("model", "context", "batch", "method", "budget", "kernel", "compile_mode", "tpot_ms", "tpot_mean_ms",
-            "tpot_max_ms", "ttft_ms", "ttft_note",
-            "build_ms", "build_exposed_ms", "ready_ms", "bytes_per_step", "weight_bytes", "kv_bytes", "summary_bytes", "floor_ms",
-            "tpot_over_floor", "speedup_vs_dense", "gpu_mem_gb", "gpu_peak_gb", "fill", "steps")
-
-
-@dataclass(frozen=True, kw_only=True)
-class E2EBenchConfig(ConfigIO):
-    """What to measure. Batch 1 at every context, then every batch of ``batches`` at
-    ``batch_context``. ``model_overrides`` changes config fields of every model (tiny test runs)."""
-
-    models: tuple[str, ...] = ("glm4-9b-1m", "llama3.1-8b")
-    contexts: tuple[int, ...] = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)  # 32K: the crossover target
-    batches: tuple[int, ...] = (1, 2, 3, 4)
-    batch_context: int = 262144
-    methods: tuple[str, ...] = ("dense", "locks")
-    budget: int = 2048
-    steps: int = 48
-    warmup: int = 4
-    max_prefill: int = 131072
-    ttft_repeats: int = 3  # real prefills per method and case, dense and LOCKS alternating: median
-    prefill_chunk: int = 8192
-    reserve_gib: float = 3.0
-    dtype: str = "bfloat16"
-    compile: bool = True  # torch.compile of the step's per-layer pieces, dense and LOCKS alike
-    seed: int = 0
-    model_overrides: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for m in self.models:
-            if m not in SHAPES:
-                raise ValueError(f"E2EBenchConfig.models: {m!r} not in {tuple(SHAPES)}")
-        for m in self.methods:
-            if m not in ("dense", "locks"):
-                raise ValueError(f"E2EBenchConfig.methods: {m!r} not in ('dense', 'locks')")
-        LocksConfig(budget=self.budget)  # validates the budget
-        for n in (*self.contexts, self.batch_context):
-            check_int("E2EBenchConfig", "contexts", n, 16)
-        for b in self.batches:
-            check_int("E2EBenchConfig", "batches", b, 1, 256)
-        check_int("E2EBenchConfig", "steps", self.steps, 3)
-        check_int("E2EBenchConfig", "warmup", self.warmup, 0)
-        if self.compile not in (True, False):
-            raise ValueError(f"E2EBenchConfig.compile={self.compile!r}: allowed True or False")
-        check_int("E2EBenchConfig", "max_prefill", self.max_prefill, 0)
-        check_int("E2EBenchConfig", "ttft_repeats", self.ttft_repeats, 1, 100)
-        check_int("E2EBenchConfig", "prefill_chunk", self.prefill_chunk, 1)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"E2EBenchConfig.dtype={self.dtype!r}: allowed {tuple(DTYPES)}")
-
-    def cases(self) -> list[tuple[int, int]]:
-        """(context, batch) pairs in run order: batch 1 by context, then the batch sweep."""
-        out = [(n, 1) for n in self.contexts]
-        out += [(self.batch_context, b) for b in self.batches if (self.batch_context, b) not in out]
-        return out
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy rate in GB/s, read + write bytes (median of 10 copies)."""
-    if device.type != "cuda":
-        nbytes = min(nbytes, 64 << 20)
-    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(11):
-        t0 = _now(device)
-        dst.copy_(src)
-        times.append(_elapsed_s(device, t0))
-    return 2 * nbytes / statistics.median(times[1:]) / 1e9
-
-
-def _now(device):
-    if device.type == "cuda":
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-    return time.perf_counter()
-
-
-def _elapsed_s(device, start) -> float:
-    if device.type == "cuda":
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e-3
-    return time.perf_counter() - start
-
-
-def step_bytes(parts: ModelParts, cache: StaticPagedCache, method: str, context: int) -> dict:
-    """Bytes one decode step must read at ``context`` tokens (all layers, all sequences)."""
-    layers, (hkv, d) = parts.num_layers, cache.k.shape[-2:]
-    elem, s = cache.k.element_size(), cache.page_size
-    rows = layers * cache.batch * hkv
-    w = parts.weight_bytes()
-    if method == "dense":
-        kv, summ = rows * 2 * context * d * elem, 0
-    else:
-        pages = min(cache.config.pages_per_step, -(-context // s))
-        kv = rows * 2 * pages * s * d * elem
-        summ = rows * (context // s) * cache.summaries[0].bytes_per_page_head()
-    return {"weight_bytes": w, "kv_bytes": kv, "summary_bytes": summ, "bytes_per_step": w + kv + summ}
-
-
-def _time_steps(runner: StepRunner, device, steps: int, warmup: int) -> list[float]:
-    """Milliseconds per decode step: ``steps`` replays, each between its own pair of CUDA events."""
-    for _ in range(warmup):
-        runner()
-    if device.type != "cuda":
-        out = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            runner()
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for a, b in evs:
-        a.record()
-        runner()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in evs]
-
 
 class _Case:
     """One (model, context, batch): allocate, fill (prefill or random), build, then time methods."""
@@ -222,7 +100,8 @@ class _Case:
                         dense_ms.append(_elapsed_s(dev, t0) * 1e3)
                     elif "locks" in cfg.methods:
                         if not overlapped:  # untimed, after the first dense prefill filled the cache
-                            self.cache.build(backend=self.b.backend, layers=range(1))  # compiles / autotunes
+                            self.cache.build(backend=self.b.backend, layers=range(1),
+                                             options=cfg.kernels)  # compiles / autotunes
                         overlapped.append(self._overlapped_prefill(ids))
             runs = len(dense_ms)
             out.update(fill="prefill", ttft_ms=statistics.median(dense_ms), ttft_runs_ms=dense_ms,
@@ -244,10 +123,10 @@ class _Case:
             self.first = torch.ones(self.bsz, dtype=torch.long, device=dev)
         self.build_ms = None
         if "locks" in cfg.methods:
-            self.cache.build(backend=self.b.backend, layers=range(1))  # untimed: compiles / autotunes the kernel
+            self.cache.build(backend=self.b.backend, layers=range(1), options=cfg.kernels)  # untimed: compiles
             _sync(dev)
             t0 = _now(dev)
-            self.cache.build(backend=self.b.backend)
+            self.cache.build(backend=self.b.backend, options=cfg.kernels)
             self.build_ms = _elapsed_s(dev, t0) * 1e3
         return out
 
@@ -256,7 +135,7 @@ class _Case:
         queued behind it on a side stream (:class:`PrefillBuild`). Returns (ms to the first token,
         ms until the summaries are complete, how they were built)."""
         p, cfg, dev = self.parts, self.b.cfg, self.b.device
-        build = PrefillBuild(self.cache, self.n, backend=self.b.backend)
+        build = PrefillBuild(self.cache, self.n, backend=self.b.backend, options=cfg.kernels)
         _sync(dev)
         t0 = _now(dev)
         with build.prefill_stream():
@@ -270,7 +149,8 @@ class _Case:
     def measure(self, method: str) -> dict:
         cfg, dev = self.b.cfg, self.b.device
         self.cache.set_length(self.n)
-        step = DecodeStep(self.parts, self.cache, method=method, backend=self.b.backend, compile=cfg.compile)
+        step = DecodeStep(self.parts, self.cache, method=method, backend=self.b.backend, compile=cfg.compile,
+                          options=cfg.kernels)
         step.tokens.copy_(self.first)
         step.attn.tune()  # the attention kernel's fastest launch for this cache (before the graph)
         runner = StepRunner(step, use_graph=self.b.use_graph)
@@ -296,24 +176,6 @@ class _Case:
         row["tpot_over_floor"] = tpot / row["floor_ms"] if row["floor_ms"] else None
         del runner, step
         return row
-
-
-def _quantile(xs, q):
-    ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(q * len(ys)))]
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device):
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class E2EBench:
@@ -353,9 +215,9 @@ class E2EBench:
             "config": dataclasses.asdict(self.cfg), "device": _device_name(self.device),
             "versions": {"torch": torch.__version__, "triton": tv, "transformers": transformers.__version__,
                          "cuda": torch.version.cuda},
-            "commit": os.environ.get("KVLOCKS_COMMIT"), "backend": self.backend, "cuda_graph": self.use_graph,
+            "commit": env.get("KVLOCKS_COMMIT"), "backend": self.backend, "cuda_graph": self.use_graph,
             "dense_kernel": DENSE_KERNEL if self.backend == "triton" else DENSE_REFERENCE,
-            "dynamo": _dynamo_settings(), "launch": _launch_settings(self.device),
+            "dynamo": _dynamo_settings(self.cfg), "launch": _launch_settings(self.device, self.cfg.kernels),
             "copy_gbps": self.copy_gbps, "rows": self.rows, "errors": self.errors,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -419,35 +281,25 @@ def _device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
-# Every case compiles the step's pieces for its own shapes (batch; the caches' rows are dynamic), all
-# in one process. Past Dynamo's recompile limit (8 by default) a piece would silently run eagerly and
-# its rows would be slow for a reason the table does not show (session 11: two rows 7-20% slow).
-# The bench raises the limit and makes reaching it an error of that case instead.
-RECOMPILE_LIMIT = 64
-
-
-def _launch_settings(device: torch.device) -> dict:
-    """How the step's kernels were launched: programmatic dependent launch for kvlocks's kernels
-    (kvlocks.pdl, where the device supports it), for the CUDA score kernel's own launch
-    (cuda_mma.SCORE_PDL) and for the compiled pieces (step.INDUCTOR_PDL, where this torch has it), and
-    the compile mode's batch limit (each row's ``compile_mode`` says which mode it ran)."""
+def _launch_settings(device: torch.device, kernels: KernelOptions) -> dict:
+    """How the step's kernels were launched: programmatic dependent launch (KernelOptions.pdl) for
+    kvlocks's kernels where the device supports it, and for the compiled pieces (Inductor's, where
+    this torch has it), and the compile mode's batch limit (each row's ``compile_mode`` says which
+    mode it ran)."""
     import torch._inductor.config as ic
 
     from kvlocks import pdl
-    from kvlocks.engine import step
-    from kvlocks.scoring import cuda_mma
 
-    on = pdl.enabled(device)
-    return {"pdl": on, "score_pdl": on and cuda_mma.SCORE_PDL,
-            "inductor_pdl": step.INDUCTOR_PDL and hasattr(ic.triton, "enable_pdl") and device.type == "cuda",
-            "compile_mode": step.COMPILE_MODE, "compile_mode_max_batch": step.COMPILE_MODE_MAX_BATCH}
+    return {"pdl": pdl.enabled(device, kernels.pdl),
+            "inductor_pdl": kernels.pdl and hasattr(ic.triton, "enable_pdl") and device.type == "cuda",
+            "compile_mode": COMPILE_MODE, "compile_mode_max_batch": kernels.compile_mode_max_batch}
 
 
-def _dynamo_settings() -> dict:
+def _dynamo_settings(cfg: "E2EBenchConfig") -> dict:
     """Dynamo settings of the benchmark run (those this torch has)."""
     import torch._dynamo.config as dc
 
-    want = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
+    want = {"recompile_limit": cfg.recompile_limit, "fail_on_recompile_limit_hit": True}
     return {k: v for k, v in want.items() if hasattr(dc, k)}
 
 
@@ -457,7 +309,7 @@ def run_e2e_bench(out_dir, config: E2EBenchConfig | None = None, *, device=None,
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = config or E2EBenchConfig()
-    with dc.patch(**_dynamo_settings()):
+    with dc.patch(**_dynamo_settings(cfg)):
         return _run(out_dir, cfg, device, progress)
 
 

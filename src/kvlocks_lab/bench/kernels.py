@@ -8,13 +8,11 @@ every page of the context, for every layer of the model (batch 1). Bytes are cou
 each kernel must read (see docs/kernels.md); ``pct_copy_bw`` compares the achieved rate with a
 device-to-device copy (read + write bytes) measured in the same run.
 
-The LOCKS step is the decode plan's (``DecodePlan.fused``, row field ``fused_select``): below
-``FUSED_MIN_PAGES`` pages, ``locks_score`` is the score kernel and the combine pass and
-``locks_select`` the two-launch selection from the ranking; from there, ``locks_score`` is the
-score kernel alone and ``locks_select`` the fused combine + selection
-(:mod:`kvlocks.selection.fused`, which reads the per-head scores). ``locks_attend`` is the split-KV
-attention over the chosen pages. At the largest context both selection paths are also timed as
-``x_select_unfused`` (combine + two-launch selection) and ``x_select_fused``.
+The LOCKS step is the decode plan's: ``locks_score`` is the score kernel alone and ``locks_select``
+the fused combine + selection (:mod:`kvlocks.selection.fused`, which reads the per-head scores).
+``locks_attend`` is the split-KV attention over the chosen pages. At the largest context both
+selection paths are also timed as ``x_select_unfused`` (the combine pass + the two-launch
+selection) and ``x_select_fused``, and the score kernels pinned (``x_score_mma``, ``x_score_packed``).
 
 Writes ``DIR/summary.json`` (config, device, versions, copy bandwidth, rows) and
 ``DIR/rows.jsonl`` (one record per measurement, appended as it is made).
@@ -22,11 +20,10 @@ Writes ``DIR/summary.json`` (config, device, versions, copy bandwidth, rows) and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
-import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,9 +31,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvlocks.config import LocksConfig
-from kvlocks.dispatch import FUSED_MIN_PAGES, DecodePlan
-from kvlocks.cache.layout import PagedSummaries
+from kvlocks import env
+from kvlocks.cache.layout import SummaryStore
+from kvlocks.config import KernelOptions, LocksConfig
+from kvlocks.plan import DecodePlan
+from kvlocks_lab.bench.kernels_timing import _timer, copy_bandwidth  # noqa: F401 (copy_bandwidth: probes)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ SHAPES = {  # Hkv, G, D, layers
 }
 # score-kernel variants measured beside the (autotuned) default at the largest context, batch 1
 # the three-dot kernel beside the default (which is the packed kernel for G <= 4 on CUDA)
-SCORE_VARIANTS = {"x_score_mma": {"kernel": "mma"}, "x_score_packed": {"kernel": "packed"}}
+SCORE_VARIANTS = {"x_score_mma": "mma", "x_score_packed": "packed"}  # KernelOptions.score_kernel
 METHODS = ("dense_sdpa", "dense_splitk", "locks_score", "locks_select", "locks_attend", "locks_total", "build")
 
 
@@ -77,77 +76,8 @@ class KernelBenchConfig:
             raise ValueError(f"KernelBenchConfig.replays={self.replays}: must be >= 3")
 
 
-def _timer(device):
-    """(time_fn) -> microseconds per call: CUDA graph + events on the GPU, wall clock on the CPU."""
-    if device.type != "cuda":
-        def cpu_time(fn, n_rot, cfg):
-            fn(0)
-            t0 = time.perf_counter()
-            for i in range(n_rot):
-                fn(i)
-            return (time.perf_counter() - t0) / n_rot * 1e6, None
-        return cpu_time
-
-    def ev():
-        return torch.cuda.Event(enable_timing=True)
-
-    def gpu_time(fn, n_rot, cfg):
-        for i in range(n_rot):  # warm-up: compiles, autotunes, first-touch
-            fn(i)
-        torch.cuda.synchronize()
-        a, b = ev(), ev()
-        a.record()
-        for i in range(n_rot):
-            fn(i)
-        b.record()
-        b.synchronize()
-        eager_us = a.elapsed_time(b) * 1e3 / n_rot
-        reps = max(1, math.ceil(cfg.min_graph_ms * 1e3 / max(eager_us * n_rot, 1.0)))
-        n_in = min(n_rot * reps, max(n_rot, 2000))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(0)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in range(n_in):
-                fn(c % n_rot)
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(cfg.replays):
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / n_in)
-        del graph
-        return statistics.median(times), eager_us
-    return gpu_time
-
-
-def copy_bandwidth(device, nbytes: int = 4 << 30) -> float | None:
-    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written (median of 10)."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
-    dst = torch.empty_like(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del src, dst
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
 def _random_store(num_pages, hkv, d, lcfg, device, gen):
-    st = PagedSummaries.empty(num_pages, hkv, d, lcfg, device=device)
+    st = SummaryStore.empty(num_pages, hkv, d, lcfg, device=device)
     st.basis.random_(0, 256, generator=gen)
     for t in (st.coef, st.centroid):
         t.random_(-127, 128, generator=gen)
@@ -183,12 +113,12 @@ class _Case:
 
 
 def _bytes(case, k_pages):
-    """Bytes each method must read (one layer, one step). ``locks_select`` reads the ranking, or with
-    the fused path (from FUSED_MIN_PAGES pages) the per-head scores."""
+    """Bytes each method must read (one layer, one step). ``locks_select`` (fused) reads the per-head
+    scores."""
     rows = case.bsz * case.hkv
     kv_page = case.lcfg.page_size * case.d * 2 * 2  # K + V, bf16
     summ = rows * case.p * case.store.bytes_per_page_head()
-    select = rows * case.p * 4 * (case.g if case.p >= FUSED_MIN_PAGES else 1)
+    select = rows * case.p * 4 * case.g
     attend = rows * k_pages * kv_page
     variants = {name: summ for name in SCORE_VARIANTS}
     return {**variants, "x_score_combine": rows * case.p * 4 * (case.g + 1), "x_launch_floor": 4,
@@ -213,10 +143,12 @@ def _methods(case, device):
     unfused_ws = select_workspace(case.bsz, case.hkv, case.p, k, device)
     fused_ws = fused_workspace(case.bsz, case.hkv, case.p, k, device)
     rankings, lists, scored = [], [], []
+    sw = plan.score_ws
     for r in range(case.n_rot):  # realistic inputs for select/attend: the real score/select outputs
-        _, _, rk = score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=plan.ws["score"])
+        _, _, rk = score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=sw)
         rankings.append(rk.clone())
-        scored.append({**plan.ws["score"], **{n: plan.ws["score"][n].clone() for n in ("scores", "stats", "lse", "ranking")}})
+        scored.append(dataclasses.replace(sw, **{n: getattr(sw, n).clone() for n in ("scores", "stats", "lse",
+                                                                                      "ranking")}))
         lists.append(select_pages_paged(rk, case.seq, workspace=unfused_ws, **sel).clone())
     ident = identity_pages(case.bsz, case.hkv, case.p, device)
     dense_ws = attention_workspace(case.bsz, case.hkv * case.g, case.d, case.p, case.bsz * case.hkv,
@@ -226,11 +158,10 @@ def _methods(case, device):
         k_, v_ = case.dense_kv(r)
         return F.scaled_dot_product_attention(case.q[r].view(case.bsz, case.hkv, case.g, case.d), k_, v_)
 
-    from kvlocks.scoring.triton import _combine_launch
+    from kvlocks.scoring.triton_combine import combine_launch
 
-    sw = plan.ws["score"]
     empty = torch.empty(1, device=device)
-    variants = {name: dict(sw, **ws) for name, ws in SCORE_VARIANTS.items()}
+    variants = {name: KernelOptions(score_kernel=kernel) for name, kernel in SCORE_VARIANTS.items()}
     # dense_splitk: the split-KV kernel's fastest launch for this case (kvlocks.attention.tune, as the
     # e2e bench and the engine use it); x_splitk_default keeps the default launch for comparison
     case.dense_launch = None
@@ -239,24 +170,25 @@ def _methods(case, device):
 
         tuned = fastest_dense(case.q[0], [case.kc], [case.vc], case.tables[0], case.seq, ident)
         default_ws, dense_ws = dense_ws, tuned.workspace
-        case.dense_launch = {"label": tuned.launch.label(), "splits": dense_ws["splits"],
+        case.dense_launch = {"label": tuned.launch.label(), "splits": dense_ws.splits,
                              "candidates_us": tuned.times_us}
     else:
         default_ws = dense_ws
-    def unfused(r):  # session 6's path: combine pass, then the two-launch selection
-        _combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size, c.combine)
-        return select_pages_paged(sw["ranking"], case.seq, workspace=unfused_ws, **sel)
+    def unfused(r):  # the combine pass, then the two-launch selection
+        combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size, c.combine)
+        return select_pages_paged(sw.ranking, case.seq, workspace=unfused_ws, **sel)
 
     extras = {  # diagnostics for docs/kernels.md: the combine pass alone, one empty launch, variants
-        "x_score_combine": lambda r: _combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size,
-                                                     c.combine),
+        "x_score_combine": lambda r: combine_launch(sw, case.seq, case.hkv, case.g, case.p, c.page_size,
+                                                    c.combine),
         "x_select_unfused": unfused,
         "x_select_fused": lambda r: rank_and_select(scored[r], case.seq, combine=c.combine, workspace=fused_ws,
                                                     **sel),
         "x_select_ranked": lambda r: select_pages_paged(rankings[r], case.seq, workspace=unfused_ws, **sel),
         "x_launch_floor": lambda r: empty.add_(1.0),
-        **{name: (lambda r, w=w: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=w))
-           for name, w in variants.items()},
+        **{name: (lambda r, o=o: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=sw,
+                                                   options=o))
+           for name, o in variants.items()},
         "x_splitk_default": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
                                                    workspace=default_ws),
     }
@@ -265,12 +197,11 @@ def _methods(case, device):
         "dense_splitk": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
                                                workspace=dense_ws),
         "locks_score": lambda r: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq,
-                                                   workspace=plan.ws["score"], rank=not plan.fused),
-        "locks_select": (lambda r: rank_and_select(scored[r], case.seq, combine=c.combine,
-                                                   workspace=plan.ws["select"], **sel)) if plan.fused else
-                        (lambda r: select_pages_paged(rankings[r], case.seq, workspace=plan.ws["select"], **sel)),
+                                                   workspace=sw, rank=False),
+        "locks_select": lambda r: rank_and_select(scored[r], case.seq, combine=c.combine, workspace=plan.select_ws,
+                                                  **sel),
         "locks_attend": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, lists[r],
-                                               workspace=plan.ws["attend"]),
+                                               workspace=plan.attend_ws),
         "locks_total": lambda r: plan.run(case.q[r], case.kc, case.vc, case.store, case.tables[r], case.seq),
     }
 
@@ -294,14 +225,15 @@ def _tuned_score_config() -> str | None:
 
 
 def _tuned_build_config() -> str | None:
-    """The bulk build's rotation and launch: the fixed one-sided launch, or the configuration the
-    autotuner chose last for the Gram solvers (None on the CPU or before a build)."""
+    """The bulk build's solver and launch: the fixed one-sided launch, or the configuration the
+    autotuner chose last for the lean solver (None on the CPU or before a build)."""
     from kvlocks.summary import triton as bt
 
-    if bt.ROTATION == "onesided":
+    solver = bt.resolve_solver("auto")
+    if solver == "onesided":
         return f"onesided {bt.ONESIDED_LAUNCH}"
     best = getattr(bt._build_tuned, "best_config", None)
-    return None if best is None else f"{bt.ROTATION} {best}"
+    return None if best is None else f"{solver} {best}"
 
 
 def _n_rot(shape, n, bsz, cfg, l2_bytes):
@@ -376,7 +308,7 @@ def run_kernels_bench(out_dir, config: KernelBenchConfig | None = None, *, devic
             "config": asdict(cfg), "device": props.name if props else str(device),
             "sm_count": props.multi_processor_count if props else None, "l2_bytes": l2,
             "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
-            "commit": os.environ.get("KVLOCKS_COMMIT"), "copy_gbps": copy_gbps, "rows": rows, "errors": errors,
+            "commit": env.get("KVLOCKS_COMMIT"), "copy_gbps": copy_gbps, "rows": rows, "errors": errors,
             "score_kernel": _score_kernel_name(device),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -403,7 +335,6 @@ def run_kernels_bench(out_dir, config: KernelBenchConfig | None = None, *, devic
                             if name == "dense_splitk" and case.dense_launch:
                                 extra = {"launch": case.dense_launch}
                             emit(**key, method=name, time_us=t, bytes_read=nbytes[name], time_us_eager=eager,
-                                 fused_select=case.p >= FUSED_MIN_PAGES,
                                  rotations=n_rot, **extra)
                         except Exception as e:  # one failing method must not sink the run
                             errors.append({**key, "method": name, "error": repr(e)[:500]})

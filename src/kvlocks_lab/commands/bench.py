@@ -37,9 +37,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that write result files")
     p.add_argument("what", choices=("kernels", "e2e"), help="which benchmark")
     p.add_argument("--out", type=Path, required=True)
-    k = p.add_argument_group("kernels options (defaults: the full grid of issue 5)")
+    k = p.add_argument_group("kernels options (defaults: the full kernel grid)")
     k.add_argument("--shapes", help="comma-separated: llama3-8b, glm4-9b-1m")
-    e = p.add_argument_group("e2e options (defaults: the full grid of issue 6); --contexts and --batches "
+    e = p.add_argument_group("e2e options (defaults: the full end-to-end grid); --contexts and --batches "
                                   "also select the kernels grid")
     e.add_argument("--models", help="comma-separated: glm4-9b-1m, llama3.1-8b")
     e.add_argument("--contexts", help="batch-1 contexts, e.g. 16K,64K,128K,256K,512K,1M")

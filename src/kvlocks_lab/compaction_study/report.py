@@ -135,7 +135,7 @@ def write_report(summary: dict, out: Path) -> Path:
              f"ratios {cfg['ratios']}, {summary['n_records']} records, methods {', '.join(cfg['methods'])}; "
              f"commit `{summary['commit'][:12]}`, {summary['versions']['threads']} threads, "
              f"wall {summary['wall_s'] / 60:.1f} min on {summary['device']}.", "",
-             "Config: `" + summary["config"] + "`", "", "## Targets of issue 7", ""]
+             "Config: `" + summary["config"] + "`", "", "## Targets", ""]
     t = summary["targets"]
     rows = [[k, json.dumps(v)] for k, v in t.items()]
     lines += _table(["target", "holds"], rows)

@@ -4,7 +4,8 @@ The bias fit is ``min_w ||A w - 1||^2`` with ``exp(beta_min) <= w <= exp(beta_ma
 :mod:`.bias`). For each chosen (layer, KV head) and ratio the same problem is solved by both
 ``scipy.optimize.lsq_linear`` methods; the rows give each one's wall time, the relative
 objective gap ``(obj_trf - obj_bvls) / obj_bvls`` and the largest |beta_trf - beta_bvls|.
-This is the measurement behind ``CompactionConfig.bias_solver``'s default.
+kvlocks' own solver (``CompactionConfig.bias_solver``, :mod:`kvlocks.compaction.solvers`)
+is tested against these two in ``tests/test_compaction_solvers.py``.
 """
 
 from __future__ import annotations

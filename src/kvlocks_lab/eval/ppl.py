@@ -24,7 +24,7 @@ from kvlocks.integrations.hf_decode import step
 from kvlocks_lab.eval.methods import parse_method
 from kvlocks_lab.eval.metrics import kl_divergence
 from kvlocks_lab.eval.runner import make_compactions, todo_of
-from kvlocks_lab.eval.session import Opened, SharedPrefill
+from kvlocks_lab.eval.shared_prefill import Opened, SharedPrefill
 
 
 def teacher_forced_logprobs(model, opened: Opened, feed_ids: list[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ own path *is* the teacher-forced path; at the first divergence the cache is fork
 fork follows full's tokens.
 
 Compaction methods (``fold@0.1``, ...) decode the same suffix over the record's compacted context
-(:mod:`kvlocks_lab.eval.session`, :mod:`kvlocks_lab.eval.compacted`): once per record, not per budget.
+(:mod:`kvlocks_lab.eval.shared_prefill`, :mod:`kvlocks_lab.eval.compacted`): once per record, not per budget.
 
 Results are one JSONL row per record x method x budget; a run resumes by skipping rows whose key
 is already in the file.
@@ -28,7 +28,7 @@ from kvlocks_lab.eval.compacted import CompactionSettings, RecordCompactions
 from kvlocks.integrations.hf_decode import step
 from kvlocks_lab.eval.methods import parse_method, parse_methods
 from kvlocks_lab.eval.metrics import exact_agreement, kl_divergence, prefix_agreement, top1_agreement
-from kvlocks_lab.eval.session import SharedPrefill, fork_cache
+from kvlocks_lab.eval.shared_prefill import SharedPrefill, fork_cache
 from kvlocks_lab.eval.tasks import TaskRecord, score
 
 

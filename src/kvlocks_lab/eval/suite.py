@@ -137,7 +137,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
     bar.update(sum(1 for r in done.values() if in_grid(r)))
     base = cfg.locks_config(cfg.budgets[0])
     kw = {"compaction": cfg.compaction_settings(), "cache_dir": out / "compacted"}
-    commit = git_commit()  # the code that produces this session's rows (a resumed run may mix commits)
+    commit = git_commit()  # the code that produces this run's rows (a resumed run may mix commits)
     with rows_path.open("a") as fh:
         def write(row):
             row.setdefault("commit", commit)

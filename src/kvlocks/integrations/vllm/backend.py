@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from kvlocks import env
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.integrations.vllm import compat
 from kvlocks.integrations.vllm.plugin import current_config
@@ -54,9 +55,9 @@ class LocksCPUAttentionImpl(_StockImpl):
         self._store_key = None
         self.layout: str | None = None  # probed at the first LOCKS step
         self._seen_real_write = False
-        self.trace_path = os.environ.get("KVLOCKS_VLLM_TRACE") or None
-        self.verify = os.environ.get("KVLOCKS_VLLM_VERIFY") == "1"
-        self.ignore_tags = os.environ.get("KVLOCKS_VLLM_IGNORE_TAGS") == "1"
+        self.trace_path = env.get("KVLOCKS_VLLM_TRACE")
+        self.verify = env.flag("KVLOCKS_VLLM_VERIFY")
+        self.ignore_tags = env.flag("KVLOCKS_VLLM_IGNORE_TAGS")
         unsupported = self._unsupported()
         if self.locks is not None and unsupported:
             log.warning("kvlocks: LOCKS decode disabled for this layer (%s); it runs dense attention", unsupported)

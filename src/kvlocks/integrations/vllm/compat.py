@@ -1,7 +1,8 @@
-"""The only module that touches version-specific vLLM internals.
+"""The only modules that touch version-specific vLLM internals are this one and, for the CUDA
+backend, :mod:`kvlocks.integrations.vllm.cuda_compat`.
 
-Everything the LOCKS backend needs from vLLM goes through here: the stock CPU backend classes to
-subclass, the backend registry, the layout of the CPU paged KV cache, and the fields of the CPU
+Everything the CPU LOCKS backend and the KV connector need from vLLM goes through here: the stock
+CPU backend classes to subclass, the backend registry, the layout of the CPU paged KV cache, and the fields of the CPU
 attention metadata. Each is probed, and anything unknown raises :class:`VllmCompatError` naming
 what was expected, instead of silently reading the wrong bytes.
 
@@ -301,7 +302,13 @@ def write_kv(layer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor)
     if not hasattr(impl, "do_kv_cache_update"):
         raise VllmCompatError(f"attention backend {type(impl).__name__} has no do_kv_cache_update "
                               f"(vLLM {vllm_version()}); the connector cannot write its cache")
-    impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slots)
+    kv_cache = layer.kv_cache
+    dev = kv_cache.device  # the file's tensors are on the CPU; a CUDA cache takes device tensors
+    key, value, slots = key.to(dev), value.to(dev), slots.to(dev)
+    impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+    after = getattr(impl, "kvlocks_external_write", None)  # the CUDA LOCKS backend builds whole pages now
+    if after is not None:
+        after(layer, slots)
 
 
 @dataclass

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 
+from kvlocks import env
 from kvlocks.compaction import cachefile
 from kvlocks.integrations.vllm import compat
 from kvlocks.integrations.vllm.compacted import (
@@ -92,7 +92,7 @@ class _Plan:
 
 
 def _trace(record: dict) -> None:
-    path = os.environ.get("KVLOCKS_VLLM_CONNECTOR_TRACE")
+    path = env.get("KVLOCKS_VLLM_CONNECTOR_TRACE")
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")

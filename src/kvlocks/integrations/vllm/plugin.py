@@ -3,8 +3,9 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers), maybe
 several times. It is idempotent, initialises no device and imports no backend code: when
 ``KVLOCKS_VLLM_CONFIG`` holds a :class:`~kvlocks.config.LocksConfig` JSON (``config.to_json()``)
-it points vLLM's ``CPU_ATTN`` registry entry at :mod:`kvlocks.integrations.vllm.backend`;
-otherwise it does nothing at all.
+it points vLLM's ``CPU_ATTN`` registry entry at :mod:`kvlocks.integrations.vllm.backend` on
+the CPU platform, or the ``FLASH_ATTN`` entry at :mod:`kvlocks.integrations.vllm.cuda_backend`
+on CUDA; otherwise it does nothing at all.
 
 :func:`enable` is the Python way: it writes the variable (so the engine processes vLLM spawns see
 it) and registers in this process. Call it before creating ``vllm.LLM``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
+from kvlocks import env
 from kvlocks.config import LocksConfig
 
 log = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ _registered = False
 
 def current_config() -> LocksConfig | None:
     """The LocksConfig in ``$KVLOCKS_VLLM_CONFIG``, or None when unset/empty. Bad JSON raises."""
-    text = os.environ.get(ENV_VAR, "").strip()
+    text = env.get(ENV_VAR) or ""
     if not text:
         return None
     try:
@@ -40,17 +42,24 @@ def register() -> None:
     config = current_config()
     if config is None or _registered:
         return
-    from kvlocks.cache.layout import check_kernel_config
-    from kvlocks.integrations.vllm import compat
+    from kvlocks.integrations.vllm import compat, cuda_compat
+    from kvlocks.kernels_support import check_config
 
-    if (config.basis_bits, config.coef_bits) != (4, 8):
-        check_kernel_config(config, 2)  # raises the paged store's error naming the fields
-    compat.register_cpu_backend()
+    check_config(config, None, backend="torch", owner=ENV_VAR)  # the summary store's format, naming the fields
+    if compat.is_cpu_platform():
+        compat.register_cpu_backend()
+        entry = "CPU_ATTN"
+    elif cuda_compat.is_cuda_platform():
+        check_config(config, None, backend="triton", owner=ENV_VAR)  # what the CUDA kernels support
+        cuda_compat.register_cuda_backend()
+        entry = "FLASH_ATTN"
+    else:
+        log.warning("kvlocks: LOCKS decode is implemented for vLLM's CPU and CUDA (FlashAttention) backends "
+                    "only; on this platform vLLM's own attention runs unchanged")
+        _registered = True
+        return
     _registered = True
-    if not compat.is_cpu_platform():
-        log.warning("kvlocks: LOCKS decode is implemented for vLLM's CPU backend only; "
-                    "on this platform vLLM's own attention runs unchanged")
-    log.info("kvlocks: LOCKS attention backend registered for CPU_ATTN (%r)", config)
+    log.info("kvlocks: LOCKS attention backend registered for %s (%r)", entry, config)
 
 
 def enable(config: LocksConfig) -> None:

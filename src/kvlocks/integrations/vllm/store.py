@@ -21,7 +21,7 @@ A block shared through prefix caching is not rewritten and sits at the same logi
 its summary stays valid for every sharer (same keys, same summary). Anything else is rebuilt from
 the keys in the paged cache before it is scored.
 
-Memory, per layer: one :class:`~kvlocks.cache.layout.PagedSummaries` over all
+Memory, per layer: one :class:`~kvlocks.cache.layout.SummaryStore` over all
 ``num_blocks * BS / S`` physical pages (``Hkv * bytes_per_page_head``; 498 bytes per (page, KV head)
 at S=16, R=8, D=64; 818 at D=128) plus 20 bytes of tags per physical page. See
 :func:`summary_bytes_per_token`.
@@ -34,8 +34,9 @@ import logging
 
 import torch
 
-from kvlocks.cache.layout import PagedSummaries, check_kernel_config
+from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import LocksConfig
+from kvlocks.kernels_support import check_config
 from kvlocks.summary.build import build_summaries
 from kvlocks.summary.types import summary_bytes
 
@@ -63,7 +64,7 @@ class BlockSummaryStore:
 
     def __init__(self, config: LocksConfig, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int) -> None:
-        check_kernel_config(config, head_dim)
+        check_config(config, head_dim, backend="torch", owner="BlockSummaryStore")
         s = config.page_size
         if block_size % s:
             raise ValueError(
@@ -74,7 +75,7 @@ class BlockSummaryStore:
         self.block_size = block_size
         self.pages_per_block = block_size // s
         n = num_blocks * self.pages_per_block
-        self.summaries = PagedSummaries.empty(n, num_kv_heads, head_dim, config)
+        self.summaries = SummaryStore.empty(n, num_kv_heads, head_dim, config)
         self.write_gen = torch.zeros(n, dtype=torch.int64)
         self.built_gen = torch.full((n,), -1, dtype=torch.int64)
         self.built_page = torch.full((n,), -1, dtype=torch.int32)

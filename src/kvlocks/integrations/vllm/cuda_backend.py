@@ -1,0 +1,226 @@
+"""The LOCKS attention backend for vLLM on CUDA: vLLM's ``FLASH_ATTN`` backend plus sparse decode.
+
+What runs where, per attention layer and step:
+
+- the metadata builder (:class:`LocksFlashAttentionMetadataBuilder`, on the host, every step, also
+  before each CUDA-graph replay) marks the *LOCKS rows* (one query token, pages beyond the budget;
+  :func:`~kvlocks.integrations.vllm.cuda_step.step_lens`) in persistent device buffers, gives
+  FlashAttention those rows' key length as one token, binds each layer's summary store to its KV
+  cache and prepares the plans the batch needs;
+- ``do_kv_cache_update``: vLLM's cache write, then the pages written get a new write generation;
+- ``forward``: vLLM's FlashAttention for every row (prefill, chunked prefill, short decode rows:
+  exactly stock), then for the LOCKS rows kvlocks' kernels: summaries of full pages built where
+  missing (eager steps) or for the page the new token filled (captured steps), then score ->
+  select -> attend (:class:`~kvlocks.plan.DecodePlan`) over vLLM's block table, written over those
+  rows' outputs.
+
+CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``. Batches of single-token decodes run in vLLM's full
+CUDA graphs (FlashAttention's own FA3 support is ``ALWAYS``; with this backend mixed batches run in
+piecewise graphs, attention eagerly between them, as in vLLM's default FULL_AND_PIECEWISE mode).
+The captured path does no host sync and (debug checks off) allocates nothing: fixed-grid kernels
+over buffers made before capture (stores in the builder, plans per batch size in
+:class:`~kvlocks.integrations.vllm.cuda_step.PlanPool`); vLLM's eager warm-up run of each batch size
+launches them once first, so Triton compiles and autotunes outside capture.
+
+Blocks: the backend asks vLLM for kernel blocks of ``page_size`` (16) tokens; any
+``block_size`` that is a multiple of 16 works (vLLM splits its blocks into kernel blocks).
+
+Debug (worker environment): ``KVLOCKS_VLLM_CHECK=1`` counts tag mismatches of the pages every
+LOCKS row uses; ``KVLOCKS_VLLM_VERIFY=1`` also hashes each summary's keys at build and compares at
+use (stale summaries used); ``KVLOCKS_VLLM_IGNORE_TAGS=1`` trusts any built summary (negative
+control); ``KVLOCKS_VLLM_TRACE=path`` appends the selected pages of eager steps.
+:func:`debug_counters` sums the counters of this process's layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from kvlocks.integrations.vllm import cuda_compat
+from kvlocks.integrations.vllm.compat import decoder_attention_type, layer_number
+from kvlocks.integrations.vllm.cuda_step import LocksDecoder, LocksStep, PlanPool, step_lens
+from kvlocks.integrations.vllm.cuda_store import COUNTERS
+from kvlocks.integrations.vllm.plugin import current_config
+from kvlocks.kernels_support import KERNEL_HEAD_DIMS, KERNEL_PAGE_SIZE
+
+log = logging.getLogger(__name__)
+
+_StockBackend, _StockImpl, _StockBuilder = cuda_compat.stock_flash_classes()
+STEP_ATTR = "kvlocks_step"  # the LocksStep attached to FlashAttention's metadata
+_POOL = PlanPool()
+_DECODERS: list = []  # weak references, for debug_counters()
+
+
+def debug_counters() -> dict:
+    """Counters summed over this process's LOCKS layers (one device sync): ``tag_mismatches``,
+    ``stale_used`` (with verification), ``pages_checked``, ``locks_rows`` (rows x layers), counted
+    while ``KVLOCKS_VLLM_CHECK`` or ``KVLOCKS_VLLM_VERIFY`` is set; ``eager_builds`` always."""
+    total = dict.fromkeys(COUNTERS, 0)
+    total["eager_builds"], total["layers"] = 0, 0
+    for ref in _DECODERS:
+        dec = ref()
+        if dec is None or dec.store is None:
+            continue
+        for name, v in zip(COUNTERS, dec.store.counters.tolist()):
+            total[name] += int(v)
+        total["eager_builds"] += dec.store.builds
+        total["layers"] += 1
+    return total
+
+
+class LocksFlashAttentionImpl(_StockImpl):
+    """vLLM's FlashAttention implementation with LOCKS single-token decode."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.locks = current_config()
+        self.decoder: LocksDecoder | None = None
+        reason = self._unsupported() if self.locks is not None else ""
+        if reason:
+            log.warning("kvlocks: LOCKS decode disabled for this layer (%s); its group runs FlashAttention", reason)
+            self.locks = None
+
+    def _unsupported(self) -> str:
+        if self.attn_type != decoder_attention_type():
+            return f"attention type {self.attn_type}"
+        if tuple(self.sliding_window or (-1, -1)) != (-1, -1):
+            return f"sliding window {self.sliding_window}"
+        if self.alibi_slopes is not None:
+            return "ALiBi"
+        if self.logits_soft_cap:
+            return f"logit soft cap {self.logits_soft_cap}"
+        if getattr(self, "sinks", None) is not None:
+            return "attention sinks"
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+            return f"kv_cache_dtype {self.kv_cache_dtype}"
+        if self.head_size not in KERNEL_HEAD_DIMS:
+            return f"head_size {self.head_size} (kernels: {KERNEL_HEAD_DIMS})"
+        if getattr(self, "kv_sharing_target_layer_name", None):
+            return "KV cache shared with another layer"
+        return ""
+
+    def attach(self, layer_name: str, kv_cache: torch.Tensor) -> None:
+        """Called by the builder outside any capture: make the decoder and bind its store."""
+        if self.decoder is None:
+            self.decoder = LocksDecoder(self.locks, num_kv_heads=self.num_kv_heads, group=self.num_queries_per_kv,
+                                        head_dim=self.head_size, scale=self.scale, pool=_POOL,
+                                        layer=layer_number(layer_name))
+            _DECODERS.append(weakref.ref(self.decoder))
+        self.decoder.bind(cuda_compat.split_flash_kv_cache(kv_cache, self.num_kv_heads, self.head_size)[0])
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.decoder is not None and self.decoder.store is not None:
+            self.decoder.store.note_writes(slot_mapping)
+
+    def kvlocks_external_write(self, layer, slot_mapping: torch.Tensor) -> None:
+        """After a KV connector wrote these slots (eager, before the forward): build whole pages."""
+        kv = cuda_compat.layer_kv_cache(layer)
+        if self.decoder is None or self.decoder.store is None or kv is None:
+            return
+        keys = cuda_compat.split_flash_kv_cache(kv, self.num_kv_heads, self.head_size)[0]
+        self.decoder.store.external_write(keys, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        step = getattr(attn_metadata, STEP_ATTR, None) if attn_metadata is not None else None
+        if step is None or self.decoder is None:
+            return output
+        keys, values = cuda_compat.split_flash_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
+        captured = cuda_compat.is_capturing()
+        if not captured:
+            self.decoder.bind(keys)  # a no-op unless vLLM re-allocated its cache
+        self.decoder.run(step, query, keys, values, output, captured=captured)
+        return output
+
+
+class LocksFlashAttentionMetadataBuilder(_StockBuilder):
+    """FlashAttention's builder, plus the LOCKS rows of each step and full graphs for decode only."""
+
+    _cudagraph_support = cuda_compat.cg_support("UNIFORM_SINGLE_TOKEN_DECODE")
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.locks = current_config()
+        cuda_compat.check_engine(vllm_config)
+        rows, _ = cuda_compat.engine_limits(vllm_config)
+        self._sparse = torch.zeros(rows + 1, dtype=torch.bool, device=device)
+        self._flash_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self._locks_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self._layers = None
+        self._bound: dict = {}  # layer name -> data_ptr of the KV cache its store was bound to
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        return cls._cudagraph_support
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        return False  # cascade attention would read the cut key lengths as the real ones
+
+    def _attach(self) -> list | None:
+        """The LOCKS impls of this builder's layers with their stores bound; None if any layer
+        of the group cannot run LOCKS (the group then runs FlashAttention unchanged)."""
+        if self._layers is None:
+            self._layers = cuda_compat.attention_layers(self.vllm_config, self.layer_names)
+        impls = []
+        for name, layer in self._layers.items():
+            impl, kv = layer.impl, cuda_compat.layer_kv_cache(layer)
+            if self.locks is None or not isinstance(impl, LocksFlashAttentionImpl) or impl.locks is None or kv is None:
+                return None
+            if self._bound.get(name) != kv.data_ptr():  # first step, or vLLM re-allocated its cache
+                impl.attach(name, kv)
+                self._bound[name] = kv.data_ptr()
+            impls.append(impl)
+        return impls or None
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        impls = self._attach()
+        view = cuda_compat.batch_view(common_attn_metadata)
+        if impls is None or not view.causal:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        b = view.num_reqs
+        sparse, flash_lens, locks_lens = step_lens(view.query_start_loc, view.seq_lens, self.locks.page_size,
+                                                   self.locks.pages_per_step)
+        self._sparse[:b].copy_(sparse)  # persistent buffers: what a captured graph reads at replay
+        self._flash_lens[:b].copy_(flash_lens)
+        self._locks_lens[:b].copy_(locks_lens)
+        common = cuda_compat.replace_common(common_attn_metadata, seq_lens=self._flash_lens[:b])
+        metadata = super().build(common_prefix_len, common, fast_build)
+        step = LocksStep(num_reqs=b, uniform_decode=view.max_query_len == 1 and view.num_tokens == b,
+                         query_start_loc=view.query_start_loc, seq_lens=view.seq_lens, block_table=view.block_table,
+                         sparse=self._sparse[:b], locks_lens=self._locks_lens[:b])
+        width, dtype = view.block_table.shape[1], self.vllm_config.model_config.dtype
+        for shape in {impl.decoder.shape(width, dtype, self.device) for impl in impls}:
+            _POOL.prepare(shape, b)
+        setattr(metadata, STEP_ATTR, step)
+        return metadata
+
+    def update_block_table(self, metadata, blk_table, slot_mapping):
+        new = super().update_block_table(metadata, blk_table, slot_mapping)
+        step = getattr(metadata, STEP_ATTR, None)
+        if step is not None and self._attach() is not None:
+            setattr(new, STEP_ATTR, step.with_block_table(blk_table))
+        elif step is not None:  # a stock group cannot reuse metadata whose key lengths were cut
+            raise cuda_compat.VllmCompatError("kvlocks: KV cache groups mix LOCKS and non-LOCKS layers")
+        return new
+
+
+class LocksFlashAttentionBackend(_StockBackend):
+    """vLLM's ``FLASH_ATTN`` backend (same name and cache layout) with the LOCKS impl and builder."""
+
+    @staticmethod
+    def get_impl_cls():
+        return LocksFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return LocksFlashAttentionMetadataBuilder
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):  # 0.26 calls it bare, 0.32 with a spec
+        config = current_config()
+        return [config.page_size if config is not None else KERNEL_PAGE_SIZE]

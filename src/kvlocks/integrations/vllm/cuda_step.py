@@ -1,0 +1,254 @@
+"""One step of the LOCKS CUDA backend, apart from vLLM's classes: which rows decode sparsely, the
+plans, and the eager / captured decode paths (see :mod:`kvlocks.integrations.vllm.cuda_backend`).
+
+Rows. A row is a *LOCKS row* when its query is one token (a decode step) and its pages do not all
+fit the budget (``ceil(seq_len / S) > k``). vLLM's FlashAttention runs for every row first, with
+the LOCKS rows' key length cut to one token (:func:`step_lens`: their FlashAttention output is
+discarded, and costs one key); then kvlocks' kernels attend the LOCKS rows, whose outputs replace
+those rows. Every other row is exactly stock FlashAttention.
+
+Plans. :class:`~kvlocks.plan.DecodePlan` buffers depend on the batch size; :class:`PlanPool` keeps
+one plan per power-of-two batch up to a cap set by a memory budget (``KVLOCKS_VLLM_PLAN_GIB``,
+default 2), and a batch of B rows runs as chunks of those sizes (B's binary digits), so a CUDA
+graph of any batch size reads plans allocated before capture, and their total memory is bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvlocks.config import LocksConfig
+from kvlocks.integrations.vllm.compat import VllmCompatError
+from kvlocks.integrations.vllm.cuda_store import CudaSummaryStore
+from kvlocks.plan import DecodePlan
+
+log = logging.getLogger(__name__)
+
+PLAN_BUDGET_ENV = "KVLOCKS_VLLM_PLAN_GIB"
+
+
+def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: int, k: int):
+    """``(sparse bool [B], flash_lens int32 [B], locks_lens int32 [B])`` for one batch.
+
+    ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``. LOCKS rows get
+    ``flash_lens = 1`` and ``locks_lens = seq_len``; the others ``flash_lens = seq_len``, ``locks_lens = 0``.
+    """
+    qlen = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+    pages = (seq_lens + (page_size - 1)) // page_size
+    sparse = (qlen == 1) & (pages > k)
+    zero = torch.zeros_like(seq_lens)
+    return sparse, torch.where(sparse, zero + 1, seq_lens), torch.where(sparse, seq_lens, zero)
+
+
+@dataclass
+class LocksStep:
+    """What every layer's forward reads about this step (device tensors live in persistent buffers)."""
+
+    num_reqs: int
+    uniform_decode: bool  # every row one query token, token r = row r (the CUDA-graph case)
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B], real lengths
+    block_table: torch.Tensor  # int32 [B, W]
+    sparse: torch.Tensor  # bool [B]
+    locks_lens: torch.Tensor  # int32 [B]: seq_len on LOCKS rows, 0 elsewhere
+
+    def with_block_table(self, block_table: torch.Tensor) -> "LocksStep":
+        return dataclasses.replace(self, block_table=block_table[: self.num_reqs])
+
+
+def binary_chunks(n: int, cap: int) -> list[tuple[int, int]]:
+    """``(start, size)`` chunks covering ``n`` rows: sizes are ``cap`` (a power of two) while they fit,
+    then the binary digits of the rest, largest first."""
+    out, start = [], 0
+    while n - start >= cap:
+        out.append((start, cap))
+        start += cap
+    size = cap
+    while start < n:
+        size //= 2
+        if n - start >= size:
+            out.append((start, size))
+            start += size
+    return out
+
+
+def _tensor_bytes(obj, seen=None) -> int:
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = (obj.data_ptr(), obj.numel())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(_tensor_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+class PlanPool:
+    """DecodePlans by (shape, batch size), batch sizes powers of two up to a memory-bound cap."""
+
+    def __init__(self, budget_bytes: int | None = None, max_rows: int = 1 << 16) -> None:
+        gib = float(os.environ.get(PLAN_BUDGET_ENV, "2"))
+        self.budget = int(gib * 2**30) if budget_bytes is None else int(budget_bytes)
+        self.max_rows = max_rows
+        self.plans: dict = {}
+        self.caps: dict = {}
+
+    def cap(self, shape: tuple) -> int:
+        """Largest chunk (a power of two) whose plans, all sizes up to it, fit the budget."""
+        if shape not in self.caps:
+            first = self.plans.setdefault((shape, 1), self._make(shape, 1))
+            per_row = _tensor_bytes(first)
+            c = 1
+            while c * 2 <= self.max_rows and (4 * c - 1) * per_row <= self.budget:
+                c *= 2
+            self.caps[shape] = c
+            log.info("kvlocks: LOCKS plans %s: %.1f MiB per batch row, chunks of up to %d rows", shape[:4],
+                     per_row / 2**20, c)
+        return self.caps[shape]
+
+    def chunks(self, shape: tuple, n: int) -> list[tuple[int, int]]:
+        return binary_chunks(n, self.cap(shape))
+
+    def prepare(self, shape: tuple, n: int) -> None:
+        """Make the plans a batch of ``n`` rows needs (call outside CUDA-graph capture)."""
+        for _, size in self.chunks(shape, n):
+            self.get(shape, size)
+
+    def get(self, shape: tuple, size: int, *, create: bool = True) -> DecodePlan:
+        key = (shape, size)
+        if key not in self.plans:
+            if not create:
+                raise VllmCompatError(f"kvlocks: no LOCKS plan for {size} rows {shape[:4]} was prepared before "
+                                      "CUDA-graph capture (the metadata builder prepares them)")
+            self.plans[key] = self._make(shape, size)
+        return self.plans[key]
+
+    @staticmethod
+    def _make(shape: tuple, size: int) -> DecodePlan:
+        hkv, g, d, width, scale, dtype, device, config, backend = shape
+        return DecodePlan(batch=size, num_kv_heads=hkv, group=g, head_dim=d, max_pages=width, config=config,
+                          dtype=dtype, device=device, scale=scale, backend=backend)
+
+
+class LocksDecoder:
+    """The LOCKS part of one attention layer's forward (a FlashAttention impl owns one).
+
+    Parameters
+    ----------
+    config : LocksConfig
+    num_kv_heads, group, head_dim, scale : this layer's Hkv (local), G, D and softmax scale
+    pool : the process's PlanPool
+    layer : decoder layer number (traces)
+    backend : kernels' backend (None: Triton on CUDA)
+    """
+
+    def __init__(self, config: LocksConfig, *, num_kv_heads: int, group: int, head_dim: int, scale: float,
+                 pool: PlanPool, layer: int | None = None, backend: str | None = None) -> None:
+        self.config, self.hkv, self.g, self.d, self.scale = config, num_kv_heads, group, head_dim, scale
+        self.pool, self.layer, self.backend = pool, layer, backend
+        self.store: CudaSummaryStore | None = None
+        self._store_key = None
+        self.trace_path = os.environ.get("KVLOCKS_VLLM_TRACE") or None
+        self.verify = os.environ.get("KVLOCKS_VLLM_VERIFY") == "1"
+        self.check = self.verify or os.environ.get("KVLOCKS_VLLM_CHECK") == "1"
+        self.ignore_tags = os.environ.get("KVLOCKS_VLLM_IGNORE_TAGS") == "1"
+        self._warned_trace = False
+        self._warm: set = set()  # (batch, width, dtype) whose captured-path kernels ran eagerly
+
+    def shape(self, width: int, dtype, device) -> tuple:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        be = self.backend or ("triton" if device.type == "cuda" else "torch")
+        return (self.hkv, self.g, self.d, width, self.scale, dtype, device, self.config, be)
+
+    def bind(self, k_cache: torch.Tensor) -> CudaSummaryStore:
+        """The store for this cache (``k_cache [NB, S, Hkv, D]``); a new cache gets a new store."""
+        key = (k_cache.data_ptr(), tuple(k_cache.shape))
+        if key != self._store_key:
+            nb, bs = k_cache.shape[:2]
+            self.store = CudaSummaryStore(self.config, nb, bs, self.hkv, self.d, k_cache.device, backend=self.backend,
+                                          verify=self.verify, ignore_tags=self.ignore_tags)
+            self._store_key = key
+            log.info("kvlocks: LOCKS summaries for %d blocks: %.1f MiB (layer %s)", nb, self.store.nbytes() / 2**20,
+                     self.layer)
+        return self.store
+
+    def run(self, step: LocksStep, query, k_cache, v_cache, output, *, captured: bool) -> None:
+        """After FlashAttention wrote ``output [T, Hq, D]``: overwrite the LOCKS rows."""
+        if captured:
+            self._captured(step, query, k_cache, v_cache, output)
+        else:
+            self._eager(step, query, k_cache, v_cache, output)
+
+    def _captured(self, step, query, k_cache, v_cache, output, *, warm: bool = False) -> None:
+        """Inside a CUDA graph: fixed grids, no host sync, plans prepared before capture. ``warm``:
+        an eager run of the same launches before capture (no counting, no trace warning)."""
+        if not step.uniform_decode:
+            raise VllmCompatError("kvlocks: a CUDA graph was captured for a batch that is not uniform single-token "
+                                  "decode; the LOCKS backend declares UNIFORM_SINGLE_TOKEN_DECODE support")
+        if self.trace_path and not self._warned_trace and not warm:
+            log.warning("kvlocks: KVLOCKS_VLLM_TRACE records eager steps only; CUDA-graph steps are not traced "
+                        "(run with enforce_eager=True to trace every step)")
+            self._warned_trace = True
+        store, b = self.store, step.num_reqs
+        store.build_new(k_cache, step.block_table, step.seq_lens)
+        if self.check and not warm:
+            store.check_tags(step.block_table, step.locks_lens)
+            store.verify_used(k_cache, step.block_table, step.locks_lens)
+        shape = self.shape(step.block_table.shape[1], query.dtype, query.device)
+        for start, size in self.pool.chunks(shape, b):
+            sl = slice(start, start + size)
+            plan = self.pool.get(shape, size, create=False)
+            out, _ = plan.run(query[sl], k_cache, v_cache, store.summaries, step.block_table[sl], step.locks_lens[sl])
+            dst = output[sl]
+            torch.where(step.sparse[sl, None, None], out, dst, out=dst)
+
+    def _eager(self, step, query, k_cache, v_cache, output) -> None:
+        """Outside a graph: make every full page valid (host sync), then attend the LOCKS rows."""
+        store, b = self.store, step.num_reqs
+        lens_host = step.seq_lens.cpu()
+        built = store.ensure(k_cache, step.block_table, step.seq_lens, int(lens_host.max()) if b else 0)
+        if self.check:
+            store.check_tags(step.block_table, step.locks_lens)
+            store.verify_used(k_cache, step.block_table, step.locks_lens,
+                              width=max(1, int(lens_host.max()) // self.config.page_size))
+        if step.uniform_decode and (key := (b, step.block_table.shape[1], query.dtype)) not in self._warm:
+            # vLLM runs each batch size eagerly before capturing it: launch the captured path's kernels
+            # once now (on a scratch output), so Triton compiles and autotunes them outside capture
+            self._captured(step, query, k_cache, v_cache, output.clone(), warm=True)
+            self._warm.add(key)
+        rows = step.sparse.cpu().nonzero().flatten()
+        if not rows.numel():
+            return
+        dev_rows = rows.to(query.device)
+        tok = step.query_start_loc[dev_rows].long()  # [R] the decode token of each LOCKS row
+        q, bt, lens = query[tok], step.block_table[dev_rows], step.seq_lens[dev_rows]
+        shape = self.shape(bt.shape[1], query.dtype, query.device)
+        for start, size in self.pool.chunks(shape, rows.numel()):
+            sl = slice(start, start + size)
+            plan = self.pool.get(shape, size)
+            out, _ = plan.run(q[sl], k_cache, v_cache, store.summaries, bt[sl], lens[sl])
+            output[tok[sl]] = out
+            if self.trace_path:
+                self._trace(rows[sl], lens_host, bt[sl, 0], plan.pages, built)
+
+    def _trace(self, rows, lens_host, block0, pages, built) -> None:
+        pages, block0 = pages.cpu(), block0.cpu()
+        with open(self.trace_path, "a") as f:
+            for i, r in enumerate(rows.tolist()):
+                rec = {"pid": os.getpid(), "layer": self.layer, "seq_len": int(lens_host[r]),
+                       "block0": int(block0[i]), "pages": pages[i].tolist(), "built": int(built[r])}
+                f.write(json.dumps(rec) + "\n")

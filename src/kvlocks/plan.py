@@ -1,0 +1,205 @@
+"""The paged decode path: one function per step over a page-table layout, and the plan/run object.
+
+Layout (``docs/layout.md``): K/V in a paged cache ``[num_pages, S, Hkv, D]``, each sequence's pages
+in a block table ``[B, max_pages]``, summaries in a :class:`~kvlocks.cache.layout.SummaryStore`
+per physical page. (The per-sequence reference functions with the same steps are
+:func:`kvlocks.score_pages` and :func:`kvlocks.select_pages`.)
+
+Every function takes ``backend="torch" | "triton" | None``; None picks Triton for CUDA tensors and
+the PyTorch references otherwise. The torch backend gathers each sequence's pages into the
+reference layout and calls the reference functions (the spec), one sequence at a time: it is
+for the CPU and for checking, not for speed. ``options``: :class:`~kvlocks.config.KernelOptions`
+for the Triton kernels (None: the defaults). What the Triton backend supports:
+:func:`kvlocks.kernels_support.kernel_support`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
+from kvlocks.cache.layout import SummaryStore, paged_to_token_major
+from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
+from kvlocks.kernels_support import BACKENDS, check_config
+from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
+from kvlocks.selection.topk import select_top_pages
+from kvlocks.summary.build import build_summaries
+
+
+def resolve_backend(backend: str | None, device) -> str:
+    """``"triton"`` for CUDA tensors, ``"torch"`` otherwise, unless given explicitly."""
+    if backend is None:
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: allowed {BACKENDS} or None")
+    return backend
+
+
+def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scale=None, combine="mean_share",
+                backend=None, workspace=None, options: KernelOptions | None = None):
+    """Eq. 4 scores ``[B, Hkv, G, max_pages]``, per-head LSE ``[B, Hkv, G]`` and the combined
+    ranking ``[B, Hkv, max_pages]`` (float32; entries past each sequence's full pages undefined).
+    ``workspace``: a :class:`~kvlocks.scoring.triton_combine.ScoreWorkspace` (Triton)."""
+    if resolve_backend(backend, queries.device) == "triton":
+        from kvlocks.scoring.triton import score_pages_paged
+
+        return score_pages_paged(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
+                                 workspace=workspace, options=options)
+    bsz, hq, d = queries.shape
+    hkv = summaries.num_kv_heads
+    g, max_pages, s = hq // hkv, block_table.shape[1], summaries.page_size
+    scores = torch.full((bsz, hkv, g, max_pages), float("-inf"), device=queries.device)
+    lse = torch.full((bsz, hkv, g), float("-inf"), device=queries.device)
+    ranking = torch.full((bsz, hkv, max_pages), float("-inf"), device=queries.device)
+    for b in range(bsz):
+        pc = int(seq_lens[b]) // s
+        if pc == 0:
+            continue
+        ps = summaries.gather(block_table[b, :pc])  # leading dims [Hkv]
+        sc = score_pages_from_summaries(queries[b].view(hkv, g, d), ps, scale=scale)  # [Hkv, G, Pc]
+        scores[b, :, :, :pc] = sc
+        lse[b] = torch.logsumexp(sc, dim=-1)
+        ranking[b, :, :pc] = combine_group(sc, combine)
+    return scores, lse, ranking
+
+
+def paged_select(ranking, seq_lens, *, page_size, k, sink_pages=1, recent_pages=1, sink_start=None, backend=None,
+                 workspace=None):
+    """int32 ``[B, Hkv, k]`` ascending logical page ids per (sequence, KV head), -1 padded.
+    ``workspace``: a :class:`~kvlocks.selection.triton.SelectWorkspace` (Triton)."""
+    if resolve_backend(backend, ranking.device) == "triton":
+        from kvlocks.selection.triton import select_pages_paged
+
+        return select_pages_paged(ranking, seq_lens, page_size=page_size, k=k, sink_pages=sink_pages,
+                                  recent_pages=recent_pages, sink_start=sink_start, workspace=workspace)
+    bsz, hkv, _ = ranking.shape
+    out = torch.full((bsz, hkv, k), -1, dtype=torch.int32, device=ranking.device)
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        pc, total = n // page_size, -(-n // page_size)
+        ss = None if sink_start is None else sink_start[b].long().expand(hkv)
+        ids = select_top_pages(ranking[b, :, :pc], total, k, sink_pages=sink_pages, recent_pages=recent_pages,
+                               sink_start=ss)
+        out[b, :, : ids.shape[-1]] = ids.to(torch.int32)
+    return out
+
+
+def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *, scale=None, backend=None,
+                 workspace=None, options: KernelOptions | None = None):
+    """Attention over the listed pages: ``out [B, Hq, D]`` (queries' dtype), ``lse [B, Hq]`` float32.
+    ``workspace``: an :class:`~kvlocks.attention.triton.AttentionWorkspace` (Triton)."""
+    if resolve_backend(backend, queries.device) == "triton":
+        from kvlocks.attention.triton import paged_decode as tri
+
+        return tri(queries, k_cache, v_cache, block_table, seq_lens, page_list, scale=scale, workspace=workspace,
+                   options=options)
+    bsz, hq, d = queries.shape
+    hkv = k_cache.shape[2]
+    g, s = hq // hkv, k_cache.shape[1]
+    out = torch.empty_like(queries)
+    lse = torch.empty(bsz, hq, device=queries.device)
+    for b in range(bsz):
+        n = int(seq_lens[b])
+        keys = paged_to_token_major(k_cache, block_table[b], n)  # [Hkv, n, D]
+        values = paged_to_token_major(v_cache, block_table[b], n)
+        ids = page_list[b].long()
+        ids = ids[:, : int((ids[0] >= 0).sum())]  # -1 padding is shared by the heads of a sequence
+        o, l = ref_sparse_decode(queries[b].view(hkv, g, d), keys, values, ids, s, scale=scale)
+        out[b], lse[b] = o.reshape(hq, d), l.reshape(hq)
+    return out, lse
+
+
+def paged_build(k_cache, summaries: SummaryStore, page_ids, config: LocksConfig, *, backend=None,
+                options: KernelOptions | None = None):
+    """Build the summaries of physical pages ``page_ids [N]`` (all KV heads) into ``summaries``."""
+    backend = resolve_backend(backend, k_cache.device)
+    check_config(config, k_cache.shape[-1], backend=backend)
+    if backend == "triton":
+        from kvlocks.summary.triton import build_pages
+
+        return build_pages(k_cache, summaries, page_ids.to(torch.int32),
+                           solver=(options or default_kernel_options()).build_solver)
+    ids = page_ids.long()
+    ids = ids[ids >= 0]
+    if ids.numel():
+        keys = k_cache.index_select(0, ids).permute(2, 0, 1, 3)  # [Hkv, N, S, D]
+        summaries.scatter_(ids, build_summaries(keys, config))
+
+
+def paged_build_new(k_cache, summaries: SummaryStore, block_table, seq_lens, config: LocksConfig, *,
+                    backend=None, options: KernelOptions | None = None):
+    """Incremental build: the page each sequence's last token filled (if ``seq_lens % S == 0``)."""
+    if resolve_backend(backend, k_cache.device) == "triton":
+        from kvlocks.summary.triton import build_new_pages
+
+        return build_new_pages(k_cache, summaries, block_table, seq_lens,
+                               solver=(options or default_kernel_options()).build_solver)
+    s = k_cache.shape[1]
+    filled = (seq_lens > 0) & (seq_lens % s == 0)
+    page = (seq_lens // s - 1).clamp_min(0).long()
+    phys = block_table.gather(1, page[:, None])[:, 0]
+    paged_build(k_cache, summaries, phys[filled], config, backend="torch")
+
+
+class DecodePlan:
+    """Buffers and launch sizes for one decode step of a batch: plan once, ``run`` per layer.
+
+    ``run`` scores every full page, selects ``k = config.pages_per_step`` pages per
+    (sequence, KV head) and attends them, writing into buffers owned by the plan: no allocation
+    and no host synchronisation, so a whole step can be captured in a CUDA graph (Triton backend).
+    Triton backend: the score kernel, then the combine and the selection fused in one launch
+    (:mod:`kvlocks.selection.fused`), then the split-KV attention and its merge. The fused
+    selection was timed against the combine pass and the two-launch selection on the H200
+    (GLM-4-9B shape, batch 1, whole-model TPOT): -1% to -3% from 32K to 1M, +0.8% (noise) at 16K
+    (docs/benchmarks.md).
+
+    Parameters
+    ----------
+    batch, num_kv_heads, group, head_dim : B, Hkv, G, D
+    max_pages : width of the block table (pages per sequence at most)
+    config : LocksConfig (page_size, budget, sink/recent pages, combine rule; int4/int8 summaries)
+    dtype, device : of the queries and the K/V cache
+    options : KernelOptions (None: the defaults); the attention's untuned launch is
+        ``options.dense_launches[0]`` (:attr:`attend_ws`, which a tuner may replace)
+    """
+
+    def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device,
+                 scale=None, backend=None, options: KernelOptions | None = None):
+        self.config, self.backend = config, resolve_backend(backend, device)
+        check_config(config, head_dim, backend=self.backend)
+        self.options = options or default_kernel_options()
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.k = config.pages_per_step
+        self.score_ws = self.select_ws = self.attend_ws = None
+        if self.backend == "triton":
+            from kvlocks.attention.triton import attention_workspace
+            from kvlocks.scoring.triton import score_workspace
+            from kvlocks.selection.fused import fused_workspace
+
+            rows = batch * num_kv_heads
+            self.score_ws = score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim)
+            self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device)
+            self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
+                                                 launch=self.options.dense_launches[0])
+
+    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
+        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
+        c, be, opts = self.config, self.backend, self.options
+        if be == "triton":  # score kernel, then combine + selection fused in one launch
+            from kvlocks.scoring.triton import score_pages_paged
+            from kvlocks.selection.fused import rank_and_select
+
+            score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                              workspace=self.score_ws, rank=False, options=opts)
+            self.pages = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k,
+                                         combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
+                                         workspace=self.select_ws, options=opts)
+        else:
+            _, _, ranking = paged_score(queries, summaries, block_table, seq_lens, scale=self.scale,
+                                        combine=c.combine, backend=be)
+            self.pages = paged_select(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
+                                      recent_pages=c.recent_pages, backend=be)
+        return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
+                            backend=be, workspace=self.attend_ws, options=opts)

@@ -1,0 +1,226 @@
+"""Decode time per output token (TPOT) and time to first token (TTFT) in real CUDA vLLM: the LOCKS
+backend against vLLM's own FLASH_ATTN backend, same script, same engine settings.
+
+Models are random-weight (``load_format="dummy"``) from the config files in ``configs/``
+(Llama-3.1-8B, GLM-4-9B-Chat-1M; no weights or tokenizer needed: prompts are token ids,
+``skip_tokenizer_init``). Each (model, context, backend) runs in its own engine process, sized for
+the largest batch; for every batch size:
+
+1. TTFT: ``batch`` fresh random prompts of ``context`` tokens, one output token each (prefill from
+   scratch; the engine's own ``first_token_latency``, the slowest request of the batch);
+2. TPOT: the same prompts again with ``new_tokens`` outputs: their prompts are prefix-cache hits,
+   so the steps timed are pure decode steps of the whole batch (full CUDA graphs); TPOT is
+   ``(last_token_ts - first_token_ts) / (new_tokens - 1)`` of each request, the mean over the batch.
+
+Usage (on the GPU machine, vLLM staged)::
+
+    python -m kvlocks_lab.bench.vllm_tpot --out DIR [--models llama3.1-8b glm4-9b-1m]
+        [--contexts 32768 131072 max] [--batches 1 4] [--new-tokens 64] [--budget 2048]
+
+``max`` is the longest context whose batch fits the KV pool (rounded down to 16K) and the model's
+positions, capped by ``--max-context``; a context past the positions (Llama's 128K with the new
+tokens) is cut to fit them. Writes ``DIR/rows.jsonl`` (one record per model, backend, context, batch; appended as
+each engine finishes) and ``DIR/summary.json`` (settings, commit, device, versions, and the LOCKS /
+FLASH_ATTN TPOT ratio per cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = Path(__file__).parent / "configs"
+MODELS = ("llama3.1-8b", "glm4-9b-1m")
+BACKENDS = ("FLASH_ATTN", "LOCKS")
+GPU_UTIL = 0.85  # leaves room for the LOCKS summaries (10% of the KV pool at D = 128) and plans
+ROUND = 16384
+
+
+def _config(model: str) -> dict:
+    return json.loads((CONFIGS / model / "config.json").read_text())
+
+
+def kv_bytes_per_token(cfg: dict) -> int:
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2 * 2  # K and V, bf16
+
+
+def weight_bytes(cfg: dict) -> int:
+    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return 2 * (layers * per_layer + 2 * v * h)
+
+
+def longest_context(cfg: dict, batch: int, total_bytes: int, new_tokens: int) -> int:
+    """The longest context whose ``batch`` requests fit the KV pool (a multiple of 16K) and the
+    model's positions (a multiple of 1K)."""
+    pool = (GPU_UTIL * total_bytes - weight_bytes(cfg) - 6 * 2**30) / kv_bytes_per_token(cfg)  # 6 GiB: activations
+    by_pool = (int(pool) // batch - new_tokens - 16) // ROUND * ROUND
+    by_positions = (cfg["max_position_embeddings"] - new_tokens - 16) // 1024 * 1024
+    return min(by_pool, by_positions)
+
+
+def plan_cells(cfg: dict, contexts, batches, total_bytes: int, new_tokens: int, max_context: int) -> dict:
+    """``{context: batch sizes}`` to run: ``"max"`` resolved per batch, contexts cut to the model's
+    positions, cells whose batch does not fit the KV pool (by the estimate) left out."""
+    positions = (cfg["max_position_embeddings"] - new_tokens - 16) // 1024 * 1024
+    cells: dict = {}
+    for c in contexts:
+        for b in batches:
+            fit = longest_context(cfg, b, total_bytes, new_tokens)
+            ctx = min(fit, max_context) if c == "max" else min(int(c), positions)
+            if ctx <= fit + ROUND:
+                cells.setdefault(ctx, set()).add(b)
+    return cells
+
+
+# ---------------------------------------------------------------- one engine (a subprocess)
+
+
+def _worker(spec: dict) -> list[dict]:
+    from vllm import LLM, SamplingParams
+
+    if spec["backend"] == "LOCKS":
+        from kvlocks.config import LocksConfig
+        from kvlocks.integrations.vllm import enable
+
+        enable(LocksConfig(budget=spec["budget"]))
+    ctx, batches, new = spec["context"], spec["batches"], spec["new_tokens"]
+    t0 = time.time()
+    llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              max_model_len=ctx + new + 16, max_num_seqs=max(batches), gpu_memory_utilization=GPU_UTIL,
+              enable_prefix_caching=True, disable_log_stats=False, max_num_batched_tokens=16384,
+              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *batches})})
+    init_s = time.time() - t0
+    import random
+
+    rng = random.Random(0)
+    vocab = spec["vocab"]
+    rows = []
+    warm = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(256)]}]
+    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
+    for b in batches:
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(ctx)]} for _ in range(b)]
+        t1 = time.time()
+        first = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
+        ttft_wall = time.time() - t1
+        t2 = time.time()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
+        decode_wall = time.time() - t2
+        tpots = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (new - 1) for o in outs if o.metrics]
+        ttfts = [o.metrics.first_token_latency for o in first if o.metrics]
+        rows.append({"model": spec["model"], "backend": spec["backend"], "context": ctx, "batch": b,
+                     "new_tokens": new, "budget": spec["budget"] if spec["backend"] == "LOCKS" else None,
+                     "tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else None,
+                     "tpot_ms_per_request": [1e3 * t for t in tpots],
+                     "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall, "decode_wall_s": decode_wall,
+                     "cached_tokens": [o.num_cached_tokens for o in outs], "init_s": init_s})
+    return rows
+
+
+def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
+    name = f"{spec['model']}_{spec['backend']}_{spec['context']}"
+    spec_path, res_path, log = out / f"{name}.spec.json", out / f"{name}.rows.json", out / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    env.pop("KVLOCKS_VLLM_CONFIG", None)  # the LOCKS engine enables itself; FLASH_ATTN stays stock
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run([sys.executable, "-m", "kvlocks_lab.bench.vllm_tpot", "--worker", str(spec_path),
+                                 str(res_path)], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        return [{**{k: spec[k] for k in ("model", "backend", "context")}, "error": f"rc {rc}", "log_tail": tail}]
+    return json.loads(res_path.read_text())
+
+
+def _facts() -> dict:
+    facts = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0]}
+    try:
+        facts["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                         cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        facts["commit"] = None
+    import torch
+
+    facts["torch"] = torch.__version__
+    facts["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        import vllm
+
+        facts["vllm"] = vllm.__version__
+    except ImportError:
+        facts["vllm"] = None
+    return facts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--contexts", nargs="+", default=["32768", "131072", "max"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--max-context", type=int, default=524288,
+                    help="cap of 'max' (a 1M-token prefill of a 9B model takes longer than one device call)")
+    ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process")
+    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        rows = _worker(json.loads(Path(args.worker[0]).read_text()))
+        Path(args.worker[1]).write_text(json.dumps(rows))
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
+    if args.new_tokens < 2 or any(b < 1 for b in args.batches):
+        ap.error("--new-tokens must be >= 2 and every batch >= 1")
+    bad = [c for c in args.contexts if c != "max" and not c.isdigit()]
+    if bad:
+        ap.error(f"--contexts {bad}: token counts or 'max'")
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows_path = args.out / "rows.jsonl"
+    rows = []
+    for model in args.models:
+        cfg = _config(model)
+        cells = plan_cells(cfg, args.contexts, args.batches, total, args.new_tokens, args.max_context)
+        for ctx, batches in sorted(cells.items()):
+            for backend in args.backends:
+                spec = {"model": model, "model_dir": str(CONFIGS / model), "backend": backend, "context": ctx,
+                        "batches": sorted(batches), "new_tokens": args.new_tokens, "budget": args.budget,
+                        "vocab": cfg["vocab_size"]}
+                got = _run_engine(spec, args.out, args.timeout)
+                with open(rows_path, "a") as f:
+                    for r in got:
+                        f.write(json.dumps(r) + "\n")
+                rows += got
+                print(json.dumps([{k: r.get(k) for k in ("model", "backend", "context", "batch", "tpot_ms", "ttft_s",
+                                                          "error")} for r in got]), flush=True)
+    ratios = {}
+    for r in rows:
+        if r.get("backend") == "LOCKS" and r.get("tpot_ms"):
+            base = [x for x in rows if x.get("backend") == "FLASH_ATTN" and x.get("tpot_ms") and
+                    (x["model"], x["context"], x["batch"]) == (r["model"], r["context"], r["batch"])]
+            if base:
+                ratios[f"{r['model']}|{r['context']}|{r['batch']}"] = base[0]["tpot_ms"] / r["tpot_ms"]
+    summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
+               "gpu_memory_utilization": GPU_UTIL, **_facts(), "speedup_tpot_flash_over_locks": ratios,
+               "rows": len(rows), "errors": sum("error" in r for r in rows)}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary["speedup_tpot_flash_over_locks"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Run one CUDA vLLM engine in its own process and write its results as JSON (the GPU tests).
+
+Usage: python engine_gpu.py SPEC.json OUT.json. SPEC: {"llm": {LLM kwargs}, "prompts": [token-id
+lists], "max_tokens": int, "locks": LocksConfig JSON or null, "batches": [[prompt index, ...], ...]
+(one generate call each; default all at once), "model": path (default: the bundled model)}.
+Greedy, ignoring EOS. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+set by the caller), so the LOCKS backend's debug counters are read here after generating.
+OUT: {"tokens", "counters", "preemptions", "init_s", "gen_s"}.
+"""
+
+import json
+import sys
+import time
+
+if __name__ == "__main__":
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+
+    from kvlocks.config import LocksConfig
+    from kvlocks.integrations.vllm import enable
+    from kvlocks.models import resolve
+
+    if spec.get("locks"):
+        enable(LocksConfig.from_json(spec["locks"]))
+    t0 = time.time()
+    llm = LLM(model=spec.get("model") or str(resolve("smollm2-135m")), seed=0, **spec["llm"])
+    t1 = time.time()
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    outs = []
+    for group in spec.get("batches") or [list(range(len(prompts)))]:
+        res = llm.generate([prompts[i] for i in group], params, use_tqdm=False)
+        outs += [(i, list(r.outputs[0].token_ids)) for i, r in zip(group, res)]
+    gen_s = time.time() - t1
+    counters = None
+    if spec.get("locks"):
+        from kvlocks.integrations.vllm.cuda_backend import debug_counters
+
+        counters = debug_counters()
+    preemptions = None
+    try:
+        preemptions = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    except Exception:  # noqa: BLE001 - stats disabled (the LLM default) or no prometheus_client
+        pass
+    json.dump({"tokens": [t for _, t in sorted(outs)], "counters": counters, "preemptions": preemptions,
+               "init_s": t1 - t0, "gen_s": gen_s}, open(sys.argv[2], "w"))

@@ -1,0 +1,35 @@
+"""Block reuse on the GPU: prefix caching on and a KV pool so small that requests are preempted and
+their blocks reused. No LOCKS step reads a summary whose tags do not match its block, none reads a
+summary built from other keys, and the outputs equal a run without reuse."""
+
+from __future__ import annotations
+
+from gpu_helpers import long_text, run_engine, save, tokenize
+
+from kvlocks.config import LocksConfig
+
+INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}  # FlashAttention and GEMMs batch-invariant: outputs do not
+# depend on which requests share a step (preemption changes that); kvlocks' kernels at budget 64
+# attend their 4 pages in one split
+
+
+def test_prefix_caching_and_preemption_never_use_a_stale_summary(tmp_path):
+    # same seed: the prompts share their first items, so later ones hit earlier ones' cached blocks
+    prompts = [tokenize(long_text(38 + 6 * i)) for i in range(6)]  # ~650 .. ~1150 tokens
+    assert max(len(p) for p in prompts) + 24 < 1280
+    cfg = LocksConfig(budget=64).to_json()
+    small = {"max_model_len": 1280, "num_gpu_blocks_override": 96, "max_num_seqs": 4,
+             "enable_prefix_caching": True, "disable_log_stats": False}
+    spec = {"prompts": prompts, "max_tokens": 24, "locks": cfg}
+    debug = {**INVARIANT, "KVLOCKS_VLLM_CHECK": "1", "KVLOCKS_VLLM_VERIFY": "1"}
+    reuse = run_engine({**spec, "llm": small}, tmp_path, "reuse", env=debug)
+    plain = run_engine({**spec, "llm": {"max_model_len": 1280, "max_num_seqs": 4, "enable_prefix_caching": False}},
+                       tmp_path, "plain", env=INVARIANT)
+    notags = run_engine({**spec, "llm": small}, tmp_path, "notags", env={**debug, "KVLOCKS_VLLM_IGNORE_TAGS": "1"})
+    save(tmp_path, "reuse.json", {"reuse": reuse, "plain": plain, "notags": notags})
+    c = reuse["counters"]
+    assert reuse["preemptions"], f"no request was preempted ({reuse['preemptions']}): the pool is not small enough"
+    assert c["locks_rows"] > 0 and c["pages_checked"] > 0, c
+    assert c["tag_mismatches"] == 0 and c["stale_used"] == 0, c
+    assert reuse["tokens"] == plain["tokens"]
+    assert notags["counters"]["stale_used"] > 0, f"the negative control used no stale summary: {notags['counters']}"
