@@ -19,7 +19,8 @@ from kvlocks_lab.fidelity.scopes import GlobalBases, centred, loki_logits, page_
 from kvlocks_lab.fidelity.tails import TailStats, page_properties
 from kvlocks_lab.fidelity.variants import Resources, bytes_per_page, estimate, variant
 from kvlocks.scoring import summary_logits
-from kvlocks.selection import LayerView, LokiCalibration, LokiSelector, ShadowKVSelector
+from kvlocks.selection import LayerView
+from kvlocks_lab.selectors import LokiCalibration, LokiSelector, ShadowKVSelector
 from kvlocks.summary import spectral_basis
 
 S, D = 16, 32
@@ -184,7 +185,7 @@ def test_per_page_energy_is_one_minus_tau_over_total_and_beats_shared_bases():
         tau = spectral_basis(pages, r)[3]
         assert torch.allclose(curve[..., r - 1], (1 - tau / total).float(), atol=1e-5)
     seq = ladder.shared_energy_curve(dev, torch.linalg.qr(torch.randn(2, D, D))[0].transpose(-1, -2))
-    from kvlocks.selection.shadowkv import sequence_basis
+    from kvlocks_lab.selectors.shadowkv import sequence_basis
     fitted = ladder.shared_energy_curve(dev, sequence_basis(dev, D))
     assert torch.allclose(fitted[..., -1], torch.ones(()), atol=1e-5)  # full rank captures everything
     for r in range(1, S):

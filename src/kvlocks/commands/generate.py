@@ -20,10 +20,10 @@ TEMPERATURE = 0.7
 
 def add_parser(sub) -> None:
     from kvlocks.config import BASIS_BITS, COMBINE_RULES
-    from kvlocks.selection.selectors import SELECTORS
+    from kvlocks.selection.selectors import selector_names
 
     # kvlocks.integrations.hf.method_names(), without importing transformers before the checks
-    methods = ("full", *sorted(SELECTORS))
+    methods = ("full", *selector_names())
     p = sub.add_parser("generate", help="generate with a LOCKS cache and report bytes read")
     add_model_args(p, model_help="; with --cache: the model the file was made for")
     p.add_argument("--method", default=None, choices=methods,
@@ -212,17 +212,12 @@ def _run_engine(args, model, tok, ids, config) -> int:
 
 
 def _method(name: str, model, tok, prompt: str):
-    """A selector name, or for ``loki`` a selector calibrated offline on other text.
-
-    Loki's PCA must be fitted on text other than what it is evaluated on: 2,048 tokens of the
-    stdlib prose corpus sharing no sentence with the prompt.
-    """
-    if name != "loki":
+    """A selector name, or the selector's own ``prepare(model, tok, prompt)`` result for selectors
+    that must be fitted before a run (Loki's calibration on other text than the prompt)."""
+    if name == "full":
         return name
-    import torch
+    from kvlocks.selection.selectors import get_selector
 
-    from kvlocks.corpus import calibration_text
-    from kvlocks.selection.loki import LokiSelector, calibrate
-
-    ids, _ = calibration_text(tok, tokens=2049, avoid=[prompt], seed=0)  # as the fidelity lab's 2,048
-    return LokiSelector(calibrate(model, torch.tensor([ids], device=model.device)))
+    selector = get_selector(name)
+    prepare = getattr(selector, "prepare", None)
+    return name if prepare is None else prepare(model, tok, prompt)

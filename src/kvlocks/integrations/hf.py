@@ -32,7 +32,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.integrations.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
 from kvlocks.plan import BACKENDS, resolve_backend
-from kvlocks.selection.oracle_per_head import distinct_pages, sparse_decode_per_head
+from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
 ATTN_NAME = "kvlocks"
@@ -40,8 +40,8 @@ METHODS = ("full",)  # plus every registered selector name, see method_names()
 
 
 def method_names() -> tuple[str, ...]:
-    from kvlocks.selection.selectors import SELECTORS
-    return METHODS + tuple(sorted(SELECTORS))
+    from kvlocks.selection.selectors import selector_names
+    return METHODS + selector_names()
 
 
 def kernel_path(selector, config: LocksConfig, head_dim: int) -> bool:

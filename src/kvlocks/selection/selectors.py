@@ -4,15 +4,22 @@ A selector maps a decode step's queries and one layer's cache state to per-head 
 ``[..., G, Pc]`` over the full pages; :func:`choose_pages` then applies the configured GQA
 combine rule and the sink + recent + top-(k-2) rule.
 
-Registered selectors (one module each): ``locks``, ``oracle`` (here), ``oracle_per_head``,
-``quest``, ``loki``, ``shadowkv``, ``centroid``, ``streaming``, ``random``. Registry instances use
-each selector's defaults; to use other settings (a Loki calibration, a rank, a seed), pass an
-instance instead of a name, e.g. ``LocksCache(model.config, method=LokiSelector(calib))``.
+The product's selectors are ``locks`` and ``oracle`` (both here). Other packages add selectors
+by name through the ``kvlocks.selectors`` entry-point group (``name = "module:Class"``, a class
+whose no-argument instance uses its defaults): the lab registers its baselines that way
+(``oracle_per_head``, ``quest``, ``loki``, ``shadowkv``, ``centroid``, ``streaming``, ``random``:
+:mod:`kvlocks_lab.selectors`). To use other settings (a Loki calibration, a rank, a seed), pass an
+instance instead of a name, e.g. ``LocksCache(model.config, method=selector)``.
+
+A selector may define ``prepare(model, tokenizer, prompt) -> Selector``: the CLI calls it before a
+run, for selectors that must be fitted on other text than the prompt (Loki's calibration).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib.metadata import entry_points
 from typing import Protocol
 
 import torch
@@ -20,14 +27,6 @@ import torch
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages_from_summaries
 from kvlocks.selection._common import page_mask
-from kvlocks.selection.centroid import CentroidSelector
-from kvlocks.selection.loki import LokiSelector
-from kvlocks.selection.matched_bytes import matched_settings
-from kvlocks.selection.oracle_per_head import OraclePerHeadSelector
-from kvlocks.selection.quest import QuestSelector
-from kvlocks.selection.random_sel import RandomSelector
-from kvlocks.selection.shadowkv import ShadowKVSelector
-from kvlocks.selection.streaming import StreamingSelector
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.types import PageSummaries
 
@@ -60,7 +59,7 @@ class Selector(Protocol):
     Optional members:
 
     - ``per_head`` (default False): each query head selects its own pages; :func:`choose_pages`
-      then returns ``[..., G, K]`` (see :mod:`kvlocks.selection.oracle_per_head`);
+      then returns ``[..., G, K]`` (see :mod:`kvlocks_lab.selectors.oracle_per_head`);
     - ``bytes_per_page(config, head_dim, elem_size) -> (payload, scales)`` and
       ``selection_bytes(config, head_dim, elem_size, full_pages) -> float``: the bytes a selector
       with its own resident summary reads per page and per step (one KV head).
@@ -107,30 +106,39 @@ class OracleSelector:
         )
 
 
-SELECTORS: dict[str, Selector] = {
-    s.name: s
-    for s in (
-        LocksSelector(), OracleSelector(), OraclePerHeadSelector(), QuestSelector(), LokiSelector(),
-        ShadowKVSelector(), CentroidSelector(), StreamingSelector(), RandomSelector(),
-    )
-}
+SELECTORS: dict[str, Selector] = {s.name: s for s in (LocksSelector(), OracleSelector())}
+ENTRY_POINT_GROUP = "kvlocks.selectors"
+
+
+@lru_cache(maxsize=1)
+def _registered() -> dict:
+    """Entry points of the ``kvlocks.selectors`` group by name (not loaded)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in SELECTORS}
+
+
+def selector_names() -> tuple[str, ...]:
+    """Every selector name :func:`get_selector` knows: the product's and the registered ones."""
+    return tuple(sorted({*SELECTORS, *_registered()}))
+
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> Selector:
+    ep = _registered()[name]
+    try:
+        cls = ep.load()
+    except ImportError as exc:
+        raise ValueError(f"selector {name!r} ({ep.value}) cannot be imported: {exc}; "
+                         "the lab's selectors need: pip install 'kvlocks[lab]'") from None
+    return cls()
 
 
 def get_selector(name: str) -> Selector:
-    try:
+    """The selector registered as ``name`` (with its defaults); ValueError naming the allowed ones."""
+    if name in SELECTORS:
         return SELECTORS[name]
-    except KeyError:
-        raise ValueError(f"unknown selector {name!r}; allowed {sorted(SELECTORS)}") from None
-
-
-_MATCHABLE = {"quest": QuestSelector, "centroid": CentroidSelector, "loki": LokiSelector, "shadowkv": ShadowKVSelector}
-
-
-def matched_selector(name: str, config: LocksConfig, head_dim: int, *, bits: int | None = None, **selector_kwargs):
-    """A selector instance at LOCKS's bytes per page (:mod:`kvlocks.selection.matched_bytes`), e.g.
-    ``matched_selector("loki", cfg, 64, calibration=calib)``."""
-    settings = matched_settings(name, config, head_dim, **({} if bits is None else {"bits": bits}))
-    return _MATCHABLE[name](**selector_kwargs, **settings)
+    if name in _registered():
+        return _load(name)
+    raise ValueError(f"unknown selector {name!r}; allowed {list(selector_names())}")
 
 
 def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, selector: Selector) -> torch.Tensor:

@@ -18,8 +18,8 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks_lab.fidelity.scopes import centred
-from kvlocks.selection import locks_page_bytes, matched_settings
-from kvlocks.selection.shadowkv import sequence_basis, shadowkv_bytes
+from kvlocks_lab.selectors import locks_page_bytes, matched_settings
+from kvlocks_lab.selectors.shadowkv import sequence_basis, shadowkv_bytes
 
 _EMPTY = 1e-12  # squared-norm floor below which a page counts as constant
 

@@ -96,7 +96,7 @@ def run_fidelity(config: FidelityConfig, out: Path, *, model=None, tok=None, cap
 
     from kvlocks_lab.fidelity import plots
     from kvlocks_lab.fidelity.summary import summarize
-    from kvlocks.selection import LokiCalibration
+    from kvlocks_lab.selectors import LokiCalibration
 
     t0, load0 = time.perf_counter(), os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)

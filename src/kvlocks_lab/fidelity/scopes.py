@@ -4,7 +4,7 @@ or once globally, and the token logits each one reconstructs.
 - per page (LOCKS): :func:`page_local_logits`, from :func:`kvlocks.summary.spectral_basis`
   (unquantized) or from quantized :class:`~kvlocks.summary.PageSummaries`;
 - per sequence (ShadowKV scope): one basis per (sequence, layer, KV head) fitted on that
-  sequence's page-centred deviations (:func:`kvlocks.selection.shadowkv.sequence_basis`);
+  sequence's page-centred deviations (:func:`kvlocks_lab.selectors.shadowkv.sequence_basis`);
 - global: one basis per (layer, KV head) fitted on page-centred deviations of *calibration*
   prose (:class:`GlobalBases`), i.e. ShadowKV's form at cache-wide scope. Loki (uncentred PCA
   of the keys themselves, no centroid) is the published global-scope selector and is measured
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlocks.selection._common import fake_quant, full_pages
-from kvlocks.selection.shadowkv import sequence_basis
+from kvlocks_lab.selectors.shadowkv import sequence_basis
 
 
 def centred(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,9 +41,10 @@ import torch
 from kvlocks.config import LocksConfig
 from kvlocks_lab.fidelity import adaptive, scopes
 from kvlocks.scoring.reference import summary_logits
-from kvlocks.selection import (
-    CentroidSelector, LayerView, QuestSelector, RandomSelector, StreamingSelector, locks_page_bytes,
-    matched_selector, matched_settings,
+from kvlocks.selection import LayerView
+from kvlocks_lab.selectors import (
+    CentroidSelector, QuestSelector, RandomSelector, StreamingSelector, locks_page_bytes, matched_selector,
+    matched_settings,
 )
 from kvlocks.summary import build_summaries, spectral_basis
 

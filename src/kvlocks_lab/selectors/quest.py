@@ -27,7 +27,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.selection._common import (
     NEG_INF, block_bounds, check_bits, full_pages, mask_empty_pages, page_mask,
 )
-from kvlocks.selection.matched_bytes import envelope_bytes
+from kvlocks_lab.selectors.matched_bytes import envelope_bytes
 
 _INT8_MARGIN = 1.0 + 2.0**-20  # keeps |x / scale| strictly inside 127 after fp32 rounding
 

@@ -1,19 +1,8 @@
-"""Per-head oracle: every query head attends its own exact top-k pages (reads every key).
+"""Attention with per-query-head page lists: each head of a GQA group reads its own pages.
 
-This is the ceiling of *unshared* selection, the reference the LOCKS paper compares group-shared
-selection (Eq. 5) against. It does not fit a selection shared by the GQA group, so it is exposed
-as follows:
-
-- the selector carries ``per_head = True``; :func:`~kvlocks.selection.selectors.choose_pages`
-  then skips the group combine rule and applies sink + recent + top-(k - forced) to each query
-  head's exact page log-sum-exps, returning int64 ``[..., G, K]`` instead of ``[..., K]``;
-- :func:`sparse_decode_per_head` attends with those pages, treating G as one more leading dim
-  (each head's query ``[..., G, 1, D]`` against the layer's keys expanded, without a copy, to
-  ``[..., G, N, D]``).
-
-Cost: G times the selection work of the shared oracle (G top-k sorts instead of one per KV head)
-and up to G times the distinct K/V pages per KV head (each head may pick different pages;
-:func:`distinct_pages` measures how many a KV head really reads).
+Selectors that choose pages per query head (``per_head = True``, such as the lab's per-head
+oracle) return int64 ``[..., G, K]`` page ids; this attends with them by treating G as one more
+leading dimension. :func:`distinct_pages` counts the K/V pages a KV head then really reads.
 """
 
 from __future__ import annotations
@@ -21,26 +10,6 @@ from __future__ import annotations
 import torch
 
 from kvlocks.attention.reference import sparse_decode
-from kvlocks.config import LocksConfig
-from kvlocks.scoring.reference import exact_page_lse
-from kvlocks.selection._common import page_mask
-
-
-class OraclePerHeadSelector:
-    """Exact per-page LSE per query head, selected per head (``per_head = True``)."""
-
-    name = "oracle_per_head"
-    needs_summaries = False
-    reads_all_keys = True
-    per_head = True
-
-    def page_scores(self, queries: torch.Tensor, view, config: LocksConfig) -> torch.Tensor:
-        """queries ``[..., G, D]`` -> float32 ``[..., G, Pc]`` exact page log-sum-exps."""
-        pc = view.keys.shape[-2] // config.page_size
-        return exact_page_lse(
-            queries, view.keys, config.page_size, scale=view.scale,
-            token_mask=page_mask(view.token_mask, config.page_size, pc),
-        )
 
 
 def sparse_decode_per_head(

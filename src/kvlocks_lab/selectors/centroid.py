@@ -5,7 +5,7 @@ log-sum-exp the page would have if every key equalled the centroid, i.e. LOCKS's
 By Jensen's inequality (``log mean exp >= mean``) it is a lower bound on the page's true
 log-sum-exp, tight when the page's logits are all equal.
 
-Knobs (to spend more or fewer bytes, see :mod:`kvlocks.selection.matched_bytes`):
+Knobs (to spend more or fewer bytes, see :mod:`kvlocks_lab.selectors.matched_bytes`):
 
 - ``bits``: ``None`` (key dtype), 32, 16 (float16) or 8 (int8, one float16 scale per centroid).
 - ``sub_pages``: centroids per page, over contiguous blocks; the page scores
@@ -23,7 +23,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.selection._common import (
     NEG_INF, block_bounds, check_bits, fake_quant, full_pages, mask_empty_pages, page_mask, token_weights,
 )
-from kvlocks.selection.matched_bytes import centroid_bytes
+from kvlocks_lab.selectors.matched_bytes import centroid_bytes
 
 
 def page_centroids(

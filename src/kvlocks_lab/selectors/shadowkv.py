@@ -30,7 +30,7 @@ from kvlocks.selection._common import (
     check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask,
     token_weights,
 )
-from kvlocks.selection.matched_bytes import matched_shadowkv, shadowkv_bytes
+from kvlocks_lab.selectors.matched_bytes import matched_shadowkv, shadowkv_bytes
 
 
 def sequence_basis(dev: torch.Tensor, rank: int) -> torch.Tensor:
@@ -50,7 +50,7 @@ class ShadowKVSelector:
     Parameters
     ----------
     rank : r, at most D; ``None`` = the rank whose bytes per page match LOCKS's
-        (:func:`kvlocks.selection.matched_bytes.matched_shadowkv`)
+        (:func:`kvlocks_lab.selectors.matched_bytes.matched_shadowkv`)
     bits : 8, 16 or 32, precision of coefficients and centroids
     """
 

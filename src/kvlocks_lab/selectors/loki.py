@@ -35,11 +35,11 @@ from kvlocks.config import LocksConfig
 from kvlocks.selection._common import (
     check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask,
 )
-from kvlocks.selection.matched_bytes import loki_bytes, matched_loki
+from kvlocks_lab.selectors.matched_bytes import loki_bytes, matched_loki
 
 HOW_TO_CALIBRATE = (
     "the 'loki' selector needs an offline PCA calibration, fitted on text different from the "
-    "evaluation text: calib = kvlocks.selection.loki.calibrate(model, calibration_ids) (or "
+    "evaluation text: calib = kvlocks_lab.selectors.loki.calibrate(model, calibration_ids) (or "
     "LokiCalibration.fit([keys of each layer, [B, Hkv, N, D]])), then "
     "LocksCache(model.config, method=LokiSelector(calib), config=...)"
 )
@@ -113,7 +113,7 @@ class LokiSelector:
     ----------
     calibration : LokiCalibration, required to score (a clear error says how to build one)
     rank : r, at most D; ``None`` = the rank whose bytes per page match LOCKS's
-        (:func:`kvlocks.selection.matched_bytes.matched_loki`)
+        (:func:`kvlocks_lab.selectors.matched_bytes.matched_loki`)
     bits : 8, 16 (the published Loki keeps float16 keys) or 32, precision of the projected keys
     """
 
@@ -129,6 +129,17 @@ class LokiSelector:
         self.calibration = calibration
         self.rank = rank
         self.bits = bits
+
+    def prepare(self, model, tokenizer, prompt: str) -> "LokiSelector":
+        """This selector calibrated on 2,048 tokens of stdlib prose sharing no sentence with
+        ``prompt`` (Loki's PCA must be fitted on other text than it is evaluated on)."""
+        import torch
+
+        from kvlocks.corpus import calibration_text
+
+        ids, _ = calibration_text(tokenizer, tokens=2049, avoid=[prompt], seed=0)  # as the fidelity lab's
+        calib = calibrate(model, torch.tensor([ids], device=model.device))
+        return LokiSelector(calib, rank=self.rank, bits=self.bits)
 
     def __repr__(self) -> str:
         layers = None if self.calibration is None else self.calibration.num_layers

@@ -7,16 +7,17 @@ import torch
 
 from kvlocks import LocksConfig, build_summaries, dense_decode
 from kvlocks.scoring import exact_page_lse
-from kvlocks.selection import (
-    SELECTORS, CentroidSelector, LayerView, LokiCalibration, LokiSelector, QuestSelector, RandomSelector,
-    ShadowKVSelector, choose_pages, get_selector, locks_page_bytes, matched_selector, matched_settings,
-    sparse_decode_per_head,
+from kvlocks.attention.per_head import sparse_decode_per_head
+from kvlocks.selection import LayerView, choose_pages, get_selector, selector_names
+from kvlocks_lab.selectors import (
+    CentroidSelector, LokiCalibration, LokiSelector, QuestSelector, RandomSelector, ShadowKVSelector,
+    locks_page_bytes, matched_selector, matched_settings,
 )
-from kvlocks.selection.centroid import centroid_bytes
-from kvlocks.selection.loki import loki_bytes
-from kvlocks.selection.oracle_per_head import distinct_pages
-from kvlocks.selection.quest import envelope_bound, envelope_bytes, page_envelopes
-from kvlocks.selection.shadowkv import shadowkv_bytes
+from kvlocks_lab.selectors.centroid import centroid_bytes
+from kvlocks_lab.selectors.loki import loki_bytes
+from kvlocks.attention.per_head import distinct_pages
+from kvlocks_lab.selectors.quest import envelope_bound, envelope_bytes, page_envelopes
+from kvlocks_lab.selectors.shadowkv import shadowkv_bytes
 
 D = 32
 
@@ -170,7 +171,7 @@ def test_random_is_deterministic_given_seed_layer_and_step():
     assert not torch.equal(a[0], a[1])  # rows draw independently
 
 
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", selector_names())
 def test_every_selector_keeps_sink_recent_and_skips_padding(name):
     c = LocksConfig(budget=64, rank=4)
     keys, mask = _padded((2, 2), 9 * 16 + 4, 35)
@@ -263,7 +264,7 @@ def _method(name, calib):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", selector_names())
 def test_every_selector_equals_full_at_budget_above_context(hf, name):
     model, generate, calib, full, prompt_len = hf
     out, cache = generate(_method(name, calib), 1024)
@@ -272,7 +273,7 @@ def test_every_selector_equals_full_at_budget_above_context(hf, name):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("name", selector_names())
 def test_every_selector_runs_at_a_small_budget_with_its_bytes(hf, name):
     model, generate, calib, _, prompt_len = hf
     out, cache = generate(_method(name, calib), 32, new=2)  # exactly one decode step
