@@ -7,7 +7,6 @@ and what is allowed, so a typo never turns into a silently different experiment.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -180,9 +179,9 @@ class KernelOptions(ConfigIO):
 def default_kernel_options() -> KernelOptions:
     """``KernelOptions()``, made once per value of ``KVLOCKS_PDL`` (what ``options=None`` means in the
     kernels' entry points, called per layer: no validation on the hot path)."""
-    return _default_options(os.environ.get("KVLOCKS_PDL", ""))
+    return _default_options(env.get("KVLOCKS_PDL"))
 
 
 @lru_cache(maxsize=8)
-def _default_options(_pdl_env: str) -> KernelOptions:
+def _default_options(_pdl_env: str | None) -> KernelOptions:
     return KernelOptions()

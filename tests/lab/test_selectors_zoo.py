@@ -242,7 +242,7 @@ CALIBRATION = (
 def hf():
     from kvlocks.integrations.hf import LocksCache, cache_kwargs
     from kvlocks.models import load
-    from kvlocks.selection import calibrate
+    from kvlocks_lab.selectors import calibrate
 
     model, tok = load("smollm2-135m")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlocks import env
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.vllm.compat import VllmCompatError
 from kvlocks.integrations.vllm.cuda_store import CudaSummaryStore
@@ -99,7 +100,7 @@ class PlanPool:
     """DecodePlans by (shape, batch size), batch sizes powers of two up to a memory-bound cap."""
 
     def __init__(self, budget_bytes: int | None = None, max_rows: int = 1 << 16) -> None:
-        gib = float(os.environ.get(PLAN_BUDGET_ENV, "2"))
+        gib = env.number(PLAN_BUDGET_ENV)
         self.budget = int(gib * 2**30) if budget_bytes is None else int(budget_bytes)
         self.max_rows = max_rows
         self.plans: dict = {}
@@ -160,10 +161,10 @@ class LocksDecoder:
         self.pool, self.layer, self.backend = pool, layer, backend
         self.store: CudaSummaryStore | None = None
         self._store_key = None
-        self.trace_path = os.environ.get("KVLOCKS_VLLM_TRACE") or None
-        self.verify = os.environ.get("KVLOCKS_VLLM_VERIFY") == "1"
-        self.check = self.verify or os.environ.get("KVLOCKS_VLLM_CHECK") == "1"
-        self.ignore_tags = os.environ.get("KVLOCKS_VLLM_IGNORE_TAGS") == "1"
+        self.trace_path = env.get("KVLOCKS_VLLM_TRACE")
+        self.verify = env.flag("KVLOCKS_VLLM_VERIFY")
+        self.check = self.verify or env.flag("KVLOCKS_VLLM_CHECK")
+        self.ignore_tags = env.flag("KVLOCKS_VLLM_IGNORE_TAGS")
         self._warned_trace = False
         self._warm: set = set()  # (batch, width, dtype) whose captured-path kernels ran eagerly
 
