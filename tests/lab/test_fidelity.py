@@ -352,9 +352,7 @@ def test_adaptive_variant_scores_match_int4_and_int8_pagewise():
             variant(bad)
 
 
-def test_tail_stats_with_an_adaptive_variant(monkeypatch):
-    from kvlocks_lab.fidelity import tails
-    monkeypatch.setattr(tails, "_SAMPLE", 40)  # fewer than a unit's 108 errors: the draws matter
+def test_tail_stats_with_an_adaptive_variant():
     data = _data(p=6)
     props = page_properties(data.pages, spectral_basis(data.pages, 4)[4], 4)
     ex = exact_layer(data)
@@ -362,7 +360,8 @@ def test_tail_stats_with_an_adaptive_variant(monkeypatch):
     flags = torch.zeros(2, 6, dtype=torch.bool)
     flags[:, 0] = True
     adapt = ex.lse + 0.05 * torch.rand(ex.lse.shape, generator=torch.Generator().manual_seed(1))
-    plain, with_extra, with_two = TailStats(), TailStats(), TailStats()
+    # 40 errors kept, fewer than a unit's 108: the draws matter
+    plain, with_extra, with_two = TailStats(sample=40), TailStats(sample=40), TailStats(sample=40)
     for _ in range(2):
         plain.add(ex.lse, ex.lse, noisy, props)
         row = with_extra.add(ex.lse, ex.lse, noisy, props, extra={"adapt80": (adapt, flags)})

@@ -31,7 +31,7 @@ import torch
 
 QUANTILES = {"median": 50.0, "p95": 95.0, "p99": 99.0}
 PROPERTIES = ("norm_range", "gap", "sigma1")
-_SAMPLE = 4096  # errors kept per (unit, bits) for pooled quantiles; the max is tracked exactly
+SAMPLE = 4096  # default errors kept per (unit, bits) for pooled quantiles; the max is tracked exactly
 
 
 def page_properties(pages: torch.Tensor, sigma: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
@@ -51,7 +51,8 @@ def quantiles(x: np.ndarray) -> dict:
 class TailStats:
     """Accumulates quantization errors and page properties (see the module docstring)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, sample: int = SAMPLE) -> None:
+        self.sample = sample  # errors kept per (unit, bits) for the pooled quantiles
         self.rng = np.random.default_rng(seed)
         self.seed = seed
         self.extra_rng: dict[str, np.random.Generator] = {}  # one per adaptive variant, seeded by its name
@@ -64,7 +65,7 @@ class TailStats:
 
     def _keep(self, key: str, err: torch.Tensor, rng: np.random.Generator | None = None) -> dict:
         x = err.flatten().numpy()
-        idx = (rng or self.rng).choice(x.size, size=min(_SAMPLE, x.size), replace=False)
+        idx = (rng or self.rng).choice(x.size, size=min(self.sample, x.size), replace=False)
         self.samples.setdefault(key, []).append(x[idx])
         self.maxima[key] = max(self.maxima.get(key, 0.0), float(x.max()))
         return quantiles(x)
