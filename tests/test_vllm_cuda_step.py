@@ -4,6 +4,7 @@ on the keys each row owns). The Triton kernels run in the interpreter (``TRITON_
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -197,17 +198,24 @@ def test_eager_step_replaces_only_locks_rows(backend):
 
 
 @pytest.mark.parametrize("backend", ["triton"])  # captured steps run the Triton kernels only (CUDA)
-def test_captured_step_builds_the_filled_page_and_matches_eager(backend):
+def test_captured_step_builds_the_filled_page_and_matches_eager(backend, tmp_path):
     """An eager step, then a captured one in which rows 0 and 3 fill a page (n = 112, 144): both give the
-    token-major reference's outputs on the LOCKS rows, and the tags of every page used stay valid."""
+    token-major reference's outputs on the LOCKS rows, and the tags of every page used stay valid. The
+    eager step's trace holds the kernels' pages, the reference's pages and its ranking."""
     raw, keys, values, blocks, lens, qsl, dec, step, query, output = _batch(backend, [111, 40, 90, 143])
     shape = dec.shape(step.block_table.shape[1], query.dtype, query.device)
     dec.pool.prepare(shape, 4)  # the metadata builder's part, before any forward
     eager = output.clone()
+    dec.trace_path = str(tmp_path / "trace.jsonl")
     dec.run(step, query, keys, values, eager, captured=False)  # builds every full page, as prefill would
-    for r in (0, 2, 3):
-        ref, _ = _reference_row(raw, blocks[r].tolist(), int(lens[r]), query[r], D ** -0.5)
+    recs = [json.loads(line) for line in open(dec.trace_path)]
+    assert [r["seq_len"] for r in recs] == [111, 90, 143]
+    for rec, r in zip(recs, (0, 2, 3)):
+        ref, pages = _reference_row(raw, blocks[r].tolist(), int(lens[r]), query[r], D ** -0.5)
         torch.testing.assert_close(eager[r], ref, atol=2e-5, rtol=2e-5)
+        assert rec["pages"] == rec["ref_pages"] == pages.tolist()
+        assert [len(h) for h in rec["ranking"]] == [int(lens[r]) // S] * HKV
+    dec.trace_path = None
     assert torch.equal(eager[1], output[1]) and dec.store.builds == 6 + 2 + 5 + 8
     lens2 = lens + torch.tensor([1, 1, 1, 1], dtype=torch.int32)  # one more token each
     for r in range(4):

@@ -19,19 +19,31 @@ sys.path.insert(0, str(HERE.parent / "vllm"))
 
 from helpers import long_text, read_trace, tokenize  # noqa: E402,F401 (re-exported)
 
-# small and quick to start: the bundled model needs little memory; 4 graph sizes to capture
-BASE_LLM = {"dtype": "bfloat16", "gpu_memory_utilization": 0.25, "max_num_seqs": 8,
+# small and quick to start: the bundled model needs little memory (12 % of the GPU leaves room for
+# the tests to run side by side, scripts/gpu/vllm_tests.sh); 4 graph sizes to capture
+GPU_SHARE = 0.12
+BASE_LLM = {"dtype": "bfloat16", "gpu_memory_utilization": GPU_SHARE, "max_num_seqs": 8,
             "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}}
 DEBUG_VARS = ("KVLOCKS_VLLM_CONFIG", "KVLOCKS_VLLM_TRACE", "KVLOCKS_VLLM_VERIFY", "KVLOCKS_VLLM_CHECK",
               "KVLOCKS_VLLM_IGNORE_TAGS", "KVLOCKS_VLLM_CONNECTOR_TRACE", "VLLM_BATCH_INVARIANT")
+
+
+def worker_env() -> dict:
+    """The environment of an engine process: this one's, less the kvlocks debug switches, with vLLM's
+    FlashInfer sampler off and, under pytest-xdist, a vLLM compile cache of this worker's own."""
+    full = {k: v for k, v in os.environ.items() if k not in DEBUG_VARS}
+    full["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        full["VLLM_CACHE_ROOT"] = f"/tmp/kvlocks-vllm-cache-{worker}"
+    return full
 
 
 def run_script(script: str, spec: dict, tmp: Path, name: str, env: dict | None = None, timeout: int = 900,
                where: Path = HERE) -> dict:
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    full_env = {k: v for k, v in os.environ.items() if k not in DEBUG_VARS}
-    full_env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **(env or {})})
+    full_env = {**worker_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     log = tmp / f"{name}.log"
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, str(where / script), str(spec_path), str(out_path)], env=full_env,

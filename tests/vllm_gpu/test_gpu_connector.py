@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_helpers import HERE, long_text, run_script, save
+from gpu_helpers import GPU_SHARE, HERE, long_text, run_script, save
 
 from kvlocks.config import LocksConfig
 
@@ -30,7 +30,7 @@ def test_folded_cache_gives_hf_path_tokens_on_the_gpu(tmp_path):
     batch1 = [{"id": "a1", "file": docs["a"]["path"], "new": qs[Q1]}, {"id": "b1", "file": docs["b"]["path"], "new": qs[Q1]}]
     batch2 = [{"id": "a2", "file": docs["a"]["path"], "new": qs[Q2]}, {"id": "a1_again", "file": docs["a"]["path"], "new": qs[Q1]},
               {"id": "b2", "file": docs["b"]["path"], "new": qs[Q2]}]
-    spec = {"llm": {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": 0.25},
+    spec = {"llm": {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": GPU_SHARE},
             "cache_dir": str(files), "max_tokens": MAX_TOKENS, "batches": [batch1, batch2]}
     stock = run_script("connector_gpu.py", spec, tmp_path, "stock")["results"]
     # with the LOCKS backend too (budget 32: 2 pages, so LOCKS decodes these ~80-token contexts):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import time
 
-from gpu_helpers import long_text, read_trace
+from gpu_helpers import GPU_SHARE, long_text, read_trace, worker_env
 
 from kvlocks.config import LocksConfig
 from kvlocks.models import resolve
@@ -25,12 +24,11 @@ def test_vllm_serve_with_plugin_answers_openai_client(tmp_path):
 
     port = _free_port()
     trace = tmp_path / "trace.jsonl"
-    env = {**os.environ, "KVLOCKS_VLLM_TRACE": str(trace), "VLLM_USE_FLASHINFER_SAMPLER": "0",
-           "KVLOCKS_VLLM_CONFIG": LocksConfig(budget=64).to_json()}
+    env = {**worker_env(), "KVLOCKS_VLLM_TRACE": str(trace), "KVLOCKS_VLLM_CONFIG": LocksConfig(budget=64).to_json()}
     # `vllm serve` is vllm.entrypoints.cli.main; eager, so that the trace records the decode steps
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve("smollm2-135m")),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2", "--dtype", "bfloat16",
-           "--max-model-len", "2048", "--gpu-memory-utilization", "0.25", "--enforce-eager"]
+           "--max-model-len", "2048", "--gpu-memory-utilization", str(GPU_SHARE), "--enforce-eager"]
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

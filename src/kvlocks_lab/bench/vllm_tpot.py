@@ -3,8 +3,10 @@ backend against vLLM's own FLASH_ATTN backend, same script, same engine settings
 
 Models are random-weight (``load_format="dummy"``) from the config files in ``configs/``
 (Llama-3.1-8B, GLM-4-9B-Chat-1M; no weights or tokenizer needed: prompts are token ids,
-``skip_tokenizer_init``). Each (model, context, backend) runs in its own engine process, sized for
-the largest batch; for every batch size:
+``skip_tokenizer_init``). Each (model, backend) runs in its own engine process, its
+``max_model_len`` set by the longest context and its batch limit by the largest batch (as a server
+is configured once for all requests; the LOCKS plans' grids are sized by ``max_model_len``); for
+every context, shortest first, and every batch size:
 
 1. TTFT: ``batch`` fresh random prompts of ``context`` tokens, one output token each (prefill from
    scratch; the engine's own ``first_token_latency``, the slowest request of the batch);
@@ -83,6 +85,8 @@ def plan_cells(cfg: dict, contexts, batches, total_bytes: int, new_tokens: int, 
 
 
 def _worker(spec: dict) -> list[dict]:
+    import random
+
     from vllm import LLM, SamplingParams
 
     if spec["backend"] == "LOCKS":
@@ -90,41 +94,47 @@ def _worker(spec: dict) -> list[dict]:
         from kvlocks.integrations.vllm import enable
 
         enable(LocksConfig(budget=spec["budget"]))
-    ctx, batches, new = spec["context"], spec["batches"], spec["new_tokens"]
+    cells, new = spec["cells"], spec["new_tokens"]  # [[context, [batch, ...]], ...]
+    max_len = max(c for c, _ in cells) + new + 16
+    batches_all = sorted({b for _, bs in cells for b in bs})
     t0 = time.time()
     llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              max_model_len=ctx + new + 16, max_num_seqs=max(batches), gpu_memory_utilization=GPU_UTIL,
+              max_model_len=max_len, max_num_seqs=max(batches_all), gpu_memory_utilization=GPU_UTIL,
               enable_prefix_caching=True, disable_log_stats=False, max_num_batched_tokens=16384,
-              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *batches})})
+              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *batches_all})})
     init_s = time.time() - t0
-    import random
-
     rng = random.Random(0)
     vocab = spec["vocab"]
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    llm.generate([{"prompt_token_ids": [rng.randrange(vocab) for _ in range(256)]}], params(8), use_tqdm=False)
     rows = []
-    warm = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(256)]}]
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
-    for b in batches:
-        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(ctx)]} for _ in range(b)]
-        t1 = time.time()
-        first = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
-        ttft_wall = time.time() - t1
-        t2 = time.time()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
-        decode_wall = time.time() - t2
-        tpots = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (new - 1) for o in outs if o.metrics]
-        ttfts = [o.metrics.first_token_latency for o in first if o.metrics]
-        rows.append({"model": spec["model"], "backend": spec["backend"], "context": ctx, "batch": b,
-                     "new_tokens": new, "budget": spec["budget"] if spec["backend"] == "LOCKS" else None,
-                     "tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else None,
-                     "tpot_ms_per_request": [1e3 * t for t in tpots],
-                     "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall, "decode_wall_s": decode_wall,
-                     "cached_tokens": [o.num_cached_tokens for o in outs], "init_s": init_s})
+    for ctx, batches in sorted(cells):
+        for b in sorted(batches):
+            prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(ctx)]} for _ in range(b)]
+            t1 = time.time()
+            first = llm.generate(prompts, params(1), use_tqdm=False)
+            ttft_wall = time.time() - t1
+            t2 = time.time()
+            outs = llm.generate(prompts, params(new), use_tqdm=False)
+            decode_wall = time.time() - t2
+            tpots = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (new - 1) for o in outs if o.metrics]
+            ttfts = [o.metrics.first_token_latency for o in first if o.metrics]
+            rows.append({"model": spec["model"], "backend": spec["backend"], "context": ctx, "batch": b,
+                         "new_tokens": new, "budget": spec["budget"] if spec["backend"] == "LOCKS" else None,
+                         "max_model_len": max_len, "tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else None,
+                         "tpot_ms_per_request": [1e3 * t for t in tpots],
+                         "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall,
+                         "decode_wall_s": decode_wall, "cached_tokens": [o.num_cached_tokens for o in outs],
+                         "init_s": init_s})
+            print(json.dumps({k: rows[-1][k] for k in ("context", "batch", "tpot_ms", "ttft_s")}), flush=True)
     return rows
 
 
 def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
-    name = f"{spec['model']}_{spec['backend']}_{spec['context']}"
+    name = f"{spec['model']}_{spec['backend']}"
     spec_path, res_path, log = out / f"{name}.spec.json", out / f"{name}.rows.json", out / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
@@ -137,7 +147,8 @@ def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
             rc = "timeout"
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        return [{**{k: spec[k] for k in ("model", "backend", "context")}, "error": f"rc {rc}", "log_tail": tail}]
+        return [{"model": spec["model"], "backend": spec["backend"], "cells": spec["cells"], "error": f"rc {rc}",
+                 "log_tail": tail}]
     return json.loads(res_path.read_text())
 
 
@@ -172,7 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--max-context", type=int, default=524288,
                     help="cap of 'max' (a 1M-token prefill of a 9B model takes longer than one device call)")
-    ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process")
+    ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process (all of one model's contexts)")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -195,18 +206,17 @@ def main(argv=None) -> int:
     for model in args.models:
         cfg = _config(model)
         cells = plan_cells(cfg, args.contexts, args.batches, total, args.new_tokens, args.max_context)
-        for ctx, batches in sorted(cells.items()):
-            for backend in args.backends:
-                spec = {"model": model, "model_dir": str(CONFIGS / model), "backend": backend, "context": ctx,
-                        "batches": sorted(batches), "new_tokens": args.new_tokens, "budget": args.budget,
-                        "vocab": cfg["vocab_size"]}
-                got = _run_engine(spec, args.out, args.timeout)
-                with open(rows_path, "a") as f:
-                    for r in got:
-                        f.write(json.dumps(r) + "\n")
-                rows += got
-                print(json.dumps([{k: r.get(k) for k in ("model", "backend", "context", "batch", "tpot_ms", "ttft_s",
-                                                          "error")} for r in got]), flush=True)
+        for backend in args.backends:
+            spec = {"model": model, "model_dir": str(CONFIGS / model), "backend": backend,
+                    "cells": [[ctx, sorted(b)] for ctx, b in sorted(cells.items())], "new_tokens": args.new_tokens,
+                    "budget": args.budget, "vocab": cfg["vocab_size"]}
+            got = _run_engine(spec, args.out, args.timeout)
+            with open(rows_path, "a") as f:
+                for r in got:
+                    f.write(json.dumps(r) + "\n")
+            rows += got
+            print(json.dumps([{k: r.get(k) for k in ("model", "backend", "context", "batch", "tpot_ms", "ttft_s",
+                                                      "error")} for r in got]), flush=True)
     ratios = {}
     for r in rows:
         if r.get("backend") == "LOCKS" and r.get("tpot_ms"):

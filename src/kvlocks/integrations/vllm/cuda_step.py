@@ -27,7 +27,7 @@ from kvlocks import env
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.vllm.compat import VllmCompatError
 from kvlocks.integrations.vllm.cuda_store import CudaSummaryStore
-from kvlocks.plan import DecodePlan
+from kvlocks.plan import DecodePlan, paged_score, paged_select
 
 log = logging.getLogger(__name__)
 
@@ -244,12 +244,26 @@ class LocksDecoder:
             out, _ = plan.run(q[sl], k_cache, v_cache, store.summaries, bt[sl], lens[sl])
             output[tok[sl]] = out
             if self.trace_path:
-                self._trace(rows[sl], lens_host, bt[sl, 0], plan.pages, built)
+                ref_pages, ranking = self._reference(q[sl], store, bt[sl], lens[sl])
+                self._trace(rows[sl], lens_host, bt[sl, 0], plan.pages, built, ref_pages, ranking)
 
-    def _trace(self, rows, lens_host, block0, pages, built) -> None:
-        pages, block0 = pages.cpu(), block0.cpu()
+    def _reference(self, q, store, block_table, lens):
+        """The PyTorch reference's selection and combined ranking on the same query and summaries
+        (what the kernels' pages are checked against in traces)."""
+        c = self.config
+        _, _, ranking = paged_score(q, store.summaries, block_table, lens, scale=self.scale, combine=c.combine,
+                                    backend="torch")
+        pages = paged_select(ranking, lens, page_size=c.page_size, k=c.pages_per_step,
+                             sink_pages=c.sink_pages, recent_pages=c.recent_pages, backend="torch")
+        return pages, ranking
+
+    def _trace(self, rows, lens_host, block0, pages, built, ref_pages, ranking) -> None:
+        pages, block0, ref_pages, ranking = pages.cpu(), block0.cpu(), ref_pages.cpu(), ranking.cpu()
+        s = self.config.page_size
         with open(self.trace_path, "a") as f:
             for i, r in enumerate(rows.tolist()):
-                rec = {"pid": os.getpid(), "layer": self.layer, "seq_len": int(lens_host[r]),
-                       "block0": int(block0[i]), "pages": pages[i].tolist(), "built": int(built[r])}
+                n = int(lens_host[r])
+                rec = {"pid": os.getpid(), "layer": self.layer, "seq_len": n, "block0": int(block0[i]),
+                       "pages": pages[i].tolist(), "built": int(built[r]), "ref_pages": ref_pages[i].tolist(),
+                       "ranking": [[round(x, 5) for x in h] for h in ranking[i, :, : n // s].tolist()]}
                 f.write(json.dumps(rec) + "\n")
