@@ -19,10 +19,13 @@ sys.path.insert(0, str(HERE.parent / "vllm"))
 
 from helpers import long_text, read_trace, tokenize  # noqa: E402,F401 (re-exported)
 
-# small and quick to start: the bundled model needs little memory (12 % of the GPU leaves room for
-# the tests to run side by side, scripts/gpu/vllm_tests.sh); 4 graph sizes to capture
+# small and quick to start: the bundled model needs little memory. The tests run side by side
+# (scripts/gpu/vllm_tests.sh): each engine takes 12 % of the GPU and a KV pool of a fixed size, since
+# vLLM's memory profiling fails when another process's memory changes meanwhile; 4 graph sizes
 GPU_SHARE = 0.12
-BASE_LLM = {"dtype": "bfloat16", "gpu_memory_utilization": GPU_SHARE, "max_num_seqs": 8,
+KV_BYTES = 4 << 30  # 180K tokens of the bundled model's KV
+GPU_LLM = {"gpu_memory_utilization": GPU_SHARE, "kv_cache_memory_bytes": KV_BYTES}
+BASE_LLM = {"dtype": "bfloat16", **GPU_LLM, "max_num_seqs": 8,
             "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}}
 DEBUG_VARS = ("KVLOCKS_VLLM_CONFIG", "KVLOCKS_VLLM_TRACE", "KVLOCKS_VLLM_VERIFY", "KVLOCKS_VLLM_CHECK",
               "KVLOCKS_VLLM_IGNORE_TAGS", "KVLOCKS_VLLM_CONNECTOR_TRACE", "VLLM_BATCH_INVARIANT")

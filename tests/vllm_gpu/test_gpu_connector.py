@@ -1,12 +1,14 @@
-"""The kvlocks KV connector on the GPU: a folded cache file continues as in the Hugging Face path (bf16)."""
+"""The kvlocks KV connector on the GPU: a folded cache file continues in vLLM (bf16) as in the Hugging
+Face path (float32, teacher-forced on vLLM's tokens to tell bf16 near-ties from errors)."""
 
 from __future__ import annotations
 
-from gpu_helpers import GPU_SHARE, HERE, long_text, run_script, save
+from gpu_helpers import GPU_LLM, HERE, long_text, run_script, save
 
 from kvlocks.config import LocksConfig
 
 MAX_TOKENS = 16
+NEAR_TIE = 0.5  # logits: bf16 rounding in a 30-layer model moves logits by tenths
 Q1 = " Question: what is the code word for box 12? Answer:"
 Q2 = " Question: which box has the code word maple? Answer:"
 
@@ -25,22 +27,29 @@ def test_folded_cache_gives_hf_path_tokens_on_the_gpu(tmp_path):
                  {"name": "b", "text": _doc(14, 5), "method": "drop_refit", "t": 40}]},
         tmp_path, "compact", where=HERE.parent / "vllm")
     docs, qs = made["docs"], made["questions"]
-    ref = run_script("connector_ref.py", {"files": {n: d["path"] for n, d in docs.items()}, "questions": qs,
-                                          "max_tokens": MAX_TOKENS}, tmp_path, "hf")["hf"]
     batch1 = [{"id": "a1", "file": docs["a"]["path"], "new": qs[Q1]}, {"id": "b1", "file": docs["b"]["path"], "new": qs[Q1]}]
     batch2 = [{"id": "a2", "file": docs["a"]["path"], "new": qs[Q2]}, {"id": "a1_again", "file": docs["a"]["path"], "new": qs[Q1]},
               {"id": "b2", "file": docs["b"]["path"], "new": qs[Q2]}]
-    spec = {"llm": {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": GPU_SHARE},
-            "cache_dir": str(files), "max_tokens": MAX_TOKENS, "batches": [batch1, batch2]}
+    spec = {"llm": {"dtype": "bfloat16", "max_model_len": 1024, **GPU_LLM}, "cache_dir": str(files),
+            "max_tokens": MAX_TOKENS, "batches": [batch1, batch2]}
     stock = run_script("connector_gpu.py", spec, tmp_path, "stock")["results"]
     # with the LOCKS backend too (budget 32: 2 pages, so LOCKS decodes these ~80-token contexts):
     # the pages the connector wrote are built at once and their tags hold
     locks = run_script("connector_gpu.py", {**spec, "locks": LocksConfig(budget=32).to_json()}, tmp_path, "locks",
                        env={"KVLOCKS_VLLM_CHECK": "1", "KVLOCKS_VLLM_VERIFY": "1"})
+    # the HF path in float32 on the same files: its own greedy tokens, and teacher-forced on vLLM's
+    check = {r["id"]: {**r, "tokens": stock[r["id"]]["tokens"]} for r in batch1 + batch2}
+    ref = run_script("connector_ref.py", {"files": {n: d["path"] for n, d in docs.items()}, "questions": qs,
+                                          "max_tokens": MAX_TOKENS, "check": check}, tmp_path, "hf")
     save(tmp_path, "connector.json", {"hf": ref, "stock": stock, "locks": locks})
     want = {"a1": "a|" + Q1, "b1": "b|" + Q1, "a2": "a|" + Q2, "a1_again": "a|" + Q1, "b2": "b|" + Q2}
     for rid, key in want.items():
-        assert stock[rid]["tokens"] == ref[key], (rid, stock[rid], ref[key])
+        # vLLM (bf16) continues each file as the HF path (float32) does: its token is the HF path's
+        # greedy token at nearly every step, and where not, a near-tie of bf16 rounding
+        got, hf = stock[rid]["tokens"], ref["check"][rid]
+        agree = sum(a == b for a, b in zip(got, hf["argmax"]))
+        assert agree >= len(got) - 2 and max(hf["margin"]) <= NEAR_TIE, (rid, got, ref["hf"][key], hf)
+    assert stock["a1_again"]["tokens"] == stock["a1"]["tokens"]
     assert stock["a1_again"]["num_cached_tokens"] >= 32  # the placeholder blocks came from the prefix cache
     c = locks["counters"]
     assert c["locks_rows"] > 0 and c["tag_mismatches"] == 0 and c["stale_used"] == 0, c

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from gpu_helpers import GPU_SHARE, long_text, read_trace, worker_env
+from gpu_helpers import GPU_SHARE, KV_BYTES, long_text, read_trace, worker_env
 
 from kvlocks.config import LocksConfig
 from kvlocks.models import resolve
@@ -28,7 +28,8 @@ def test_vllm_serve_with_plugin_answers_openai_client(tmp_path):
     # `vllm serve` is vllm.entrypoints.cli.main; eager, so that the trace records the decode steps
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve("smollm2-135m")),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2", "--dtype", "bfloat16",
-           "--max-model-len", "2048", "--gpu-memory-utilization", str(GPU_SHARE), "--enforce-eager"]
+           "--max-model-len", "2048", "--gpu-memory-utilization", str(GPU_SHARE),
+           "--kv-cache-memory-bytes", str(KV_BYTES), "--enforce-eager"]
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

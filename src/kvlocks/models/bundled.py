@@ -53,14 +53,31 @@ def is_converted(name: str) -> bool:
 
 
 def converted_dir(name: str) -> Path:
-    """The Hugging Face directory of a bundled model, converting the GGUF on first use."""
+    """The Hugging Face directory of a bundled model, converting the GGUF on first use (processes
+    that start together convert it once: the others wait on a lock file, then read the result)."""
     if name not in BUNDLED:
         raise ValueError(f"unknown bundled model {name!r}; allowed {sorted(BUNDLED)}")
     out = cache_root() / name
     if (out / _MARKER).is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no advisory locks (Windows): a concurrent conversion replaces this one
+            pass
+        if not (out / _MARKER).is_file():
+            _convert(name, out)
+    return out
+
+
+def _convert(name: str, out: Path) -> None:
     src = gguf_path(name)
     log.info("converting %s to a Hugging Face directory at %s (once)", src.name, out)
+    import shutil
+
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,8 +95,6 @@ def converted_dir(name: str) -> Path:
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / _MARKER).write_text(f"converted from {src.name}\n")
-    if out.exists():  # a concurrent or broken earlier conversion: replace it
-        import shutil
+    if out.exists():  # a broken earlier conversion (no marker): replace it
         shutil.rmtree(out)
     tmp.rename(out)
-    return out
