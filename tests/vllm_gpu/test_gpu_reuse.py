@@ -8,6 +8,7 @@ from gpu_helpers import long_text, run_engine, save, tokenize
 
 from kvlocks.config import LocksConfig
 
+NEW = 64
 INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}  # FlashAttention and GEMMs batch-invariant: outputs do not
 # depend on which requests share a step (preemption changes that); kvlocks' kernels at budget 64
 # attend their 4 pages in one split
@@ -15,12 +16,14 @@ INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}  # FlashAttention and GEMMs batch-inva
 
 def test_prefix_caching_and_preemption_never_use_a_stale_summary(tmp_path):
     # same seed: the prompts share their first items, so later ones hit earlier ones' cached blocks
-    prompts = [tokenize(long_text(38 + 6 * i)) for i in range(6)]  # ~650 .. ~1150 tokens
-    assert max(len(p) for p in prompts) + 24 < 1280
+    prompts = [tokenize(long_text(38 + 6 * i)) for i in range(6)]  # 655 .. 1174 tokens
+    assert max(len(p) for p in prompts) + NEW < 1280
     cfg = LocksConfig(budget=64).to_json()
-    small = {"max_model_len": 1280, "num_gpu_blocks_override": 96, "max_num_seqs": 4,
+    # 84 blocks of 16 tokens: the prompts' shared prefix takes ~74, so four requests decoding 64 tokens
+    # each (4 blocks each, plus their own last prompt block) cannot all keep theirs: vLLM preempts
+    small = {"max_model_len": 1280, "num_gpu_blocks_override": 84, "max_num_seqs": 4,
              "enable_prefix_caching": True, "disable_log_stats": False}
-    spec = {"prompts": prompts, "max_tokens": 24, "locks": cfg}
+    spec = {"prompts": prompts, "max_tokens": NEW, "locks": cfg}
     debug = {**INVARIANT, "KVLOCKS_VLLM_CHECK": "1", "KVLOCKS_VLLM_VERIFY": "1"}
     reuse = run_engine({**spec, "llm": small}, tmp_path, "reuse", env=debug)
     plain = run_engine({**spec, "llm": {"max_model_len": 1280, "max_num_seqs": 4, "enable_prefix_caching": False}},
