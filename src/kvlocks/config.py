@@ -46,6 +46,11 @@ class LocksConfig(ConfigIO):
     combine : str
         GQA group rule: ``"mean_share"`` (Eq. 5, average of per-head page shares),
         ``"max_share"`` (largest per-head share) or ``"sum_mass"`` (sum of unnormalised masses).
+    rerank : int
+        Two-stage selection: 0 (off, the default) or a candidate multiple ``c`` in 2..64. The
+        summaries rank the pages, the top ``c * (k - sink_pages - recent_pages)`` are candidates,
+        their exact per-page log-sum-exp is computed from their keys (no values), and the top
+        pages by those exact masses are selected (:mod:`kvlocks.selection.rerank`).
     """
 
     page_size: int = 16
@@ -56,6 +61,7 @@ class LocksConfig(ConfigIO):
     basis_bits: int = 4
     coef_bits: int = 8
     combine: str = "mean_share"
+    rerank: int = 0
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 2, 4096)
@@ -80,11 +86,21 @@ class LocksConfig(ConfigIO):
             raise ValueError(f"LocksConfig.coef_bits={self.coef_bits!r}: allowed {COEF_BITS}")
         if self.combine not in COMBINE_RULES:
             raise ValueError(f"LocksConfig.combine={self.combine!r}: allowed {COMBINE_RULES}")
+        if isinstance(self.rerank, bool) or not isinstance(self.rerank, int) or not (
+                self.rerank == 0 or 2 <= self.rerank <= 64):
+            raise ValueError(f"LocksConfig.rerank={self.rerank!r}: allowed 0 (off) or an integer in 2..64")
 
     @property
     def pages_per_step(self) -> int:
         """k: pages attended per (layer, KV head) at one decode step."""
         return self.budget // self.page_size
+
+    def rerank_candidates(self, full_pages: int) -> int:
+        """Candidate pages the exact re-rank scores among ``full_pages`` (0 when it is off)."""
+        if not self.rerank:
+            return 0
+        free = max(1, self.pages_per_step - self.sink_pages - self.recent_pages)
+        return min(full_pages, self.rerank * free)
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ class DecodePlan:
         self.options = options or default_kernel_options()
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.k = config.pages_per_step
-        self.score_ws = self.select_ws = self.attend_ws = None
+        self.score_ws = self.select_ws = self.attend_ws = self.rerank_ws = None
         if self.backend == "triton":
             from kvlocks.attention.triton import attention_workspace
             from kvlocks.scoring.triton import score_workspace
@@ -183,11 +183,15 @@ class DecodePlan:
             self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device)
             self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
                                                  launch=self.options.dense_launches[0])
+            if config.rerank:
+                from kvlocks.selection.triton import select_workspace
+
+                self.rerank_ws = select_workspace(batch, num_kv_heads, max_pages, self.k, device)
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
         c, be, opts = self.config, self.backend, self.options
-        if be == "triton":  # score kernel, then combine + selection fused in one launch
+        if be == "triton" and not c.rerank:  # score kernel, then combine + selection fused in one launch
             from kvlocks.scoring.triton import score_pages_paged
             from kvlocks.selection.fused import rank_and_select
 
@@ -197,9 +201,20 @@ class DecodePlan:
                                          combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
                                          workspace=self.select_ws, options=opts)
         else:
-            _, _, ranking = paged_score(queries, summaries, block_table, seq_lens, scale=self.scale,
-                                        combine=c.combine, backend=be)
+            if be == "triton":  # score kernel; the re-rank's exact masses; the two-launch selection
+                from kvlocks.scoring.triton import score_pages_paged
+
+                score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                                  workspace=self.score_ws, rank=False, options=opts)
+                scores, ranking = self.score_ws.scores, None
+            else:
+                scores, _, ranking = paged_score(queries, summaries, block_table, seq_lens, scale=self.scale,
+                                                 combine=c.combine, backend=be)
+            if c.rerank:
+                from kvlocks.selection.rerank_paged import paged_rerank
+
+                ranking = paged_rerank(queries, k_cache, block_table, seq_lens, scores, c, scale=self.scale)
             self.pages = paged_select(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
-                                      recent_pages=c.recent_pages, backend=be)
+                                      recent_pages=c.recent_pages, backend=be, workspace=self.rerank_ws)
         return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
                             backend=be, workspace=self.attend_ws, options=opts)

@@ -20,6 +20,7 @@ tensor, runs the PyTorch references. ``LocksCache(..., backend="torch" | "triton
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -36,7 +37,9 @@ from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
 ATTN_NAME = "kvlocks"
-METHODS = ("full",)  # plus every registered selector name, see method_names()
+RERANK_METHOD = "locks_rerank"  # LOCKS with the exact re-rank (LocksConfig.rerank, DEFAULT_RERANK when 0)
+DEFAULT_RERANK = 4
+METHODS = ("full", RERANK_METHOD)  # plus every registered selector name, see method_names()
 
 
 def method_names() -> tuple[str, ...]:
@@ -46,9 +49,10 @@ def method_names() -> tuple[str, ...]:
 
 def kernel_path(selector, config: LocksConfig, head_dim: int) -> bool:
     """Whether the Triton kernels implement this (selector, config, head_dim): the default LOCKS
-    selector and a configuration :func:`kvlocks.kernels_support.kernel_support` accepts for them.
-    Otherwise the cache runs the PyTorch references (the stated fallback)."""
-    return isinstance(selector, LocksSelector) and kernel_support(
+    selector and a configuration :func:`kvlocks.kernels_support.kernel_support` accepts for them,
+    without the exact re-rank (``config.rerank``, which the engine's plan runs). Otherwise the cache
+    runs the PyTorch references (the stated fallback)."""
+    return isinstance(selector, LocksSelector) and not config.rerank and kernel_support(
         page_size=config.page_size, rank=config.rank, head_dim=head_dim, basis_bits=config.basis_bits,
         coef_bits=config.coef_bits, backend="triton") is None
 
@@ -233,7 +237,8 @@ class LocksCache(Cache):
     Parameters
     ----------
     model_config : the model's ``PretrainedConfig`` (for the number of layers)
-    method : ``"full"`` (dense attention), a selector name (``"locks"``, ``"oracle"``, ...) or a
+    method : ``"full"`` (dense attention), a selector name (``"locks"``, ``"oracle"``, ...),
+        ``"locks_rerank"`` (``locks`` with the exact re-rank: ``config.rerank``, or 4 when it is 0) or a
         selector instance (e.g. ``LokiSelector(calibration)``, ``QuestSelector(bits=8)``)
     config : LocksConfig
     backend : ``"torch"``, ``"triton"`` or None (Triton for CUDA tensors when :func:`kernel_path`
@@ -248,7 +253,7 @@ class LocksCache(Cache):
         if isinstance(method, str):
             if method not in method_names():
                 raise ValueError(f"method={method!r}: allowed {method_names()}")
-            self.selector = None if method == "full" else get_selector(method)
+            self.selector = None if method == "full" else get_selector("locks" if method == RERANK_METHOD else method)
         elif callable(getattr(method, "page_scores", None)):
             self.selector = method
             method = method.name
@@ -256,6 +261,8 @@ class LocksCache(Cache):
             raise ValueError(f"method={method!r}: allowed {method_names()} or a selector instance")
         self.method = method
         self.config = config or LocksConfig()
+        if method == RERANK_METHOD and not self.config.rerank:
+            self.config = dataclasses.replace(self.config, rerank=DEFAULT_RERANK)
         self.stats = DecodeStats()
         self.model_config = model_config
         text = model_config.get_text_config(decoder=True)
@@ -268,7 +275,8 @@ class LocksCache(Cache):
         Used to decode every method from one shared prefill. Summaries are reused when their
         settings match and rebuilt otherwise; the copy's byte accounting starts at zero.
         """
-        method = (self.selector or "full") if method is None else method
+        if method is None:
+            method = RERANK_METHOD if self.method == RERANK_METHOD else (self.selector or "full")
         new = type(self).__new__(type(self))  # a subclass forks into its own class ...
         LocksCache.__init__(new, self.model_config, method=method, config=config or self.config,
                             backend=self.backend)
@@ -311,6 +319,10 @@ class LocksCache(Cache):
         else:
             payload, scales = self.layers[layer].store.summaries.bytes_per_page()
             sel = hkv * (n // s) * (payload + scales)
+        if self.selector is not None and self.config.rerank and not self.selector.reads_all_keys:
+            pc = n // s  # the re-rank reads the keys of its candidates and of the forced full pages
+            exact = min(pc, self.config.rerank_candidates(pc) + self.config.sink_pages + self.config.recent_pages)
+            sel += hkv * exact * s * d * elem
         self.stats.add(layer, pages=pages, tokens=tokens, context=n, selection_bytes=sel,
                        kv_bytes=2.0 * hkv * tokens * d * elem, full_bytes=full)
 

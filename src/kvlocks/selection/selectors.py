@@ -27,6 +27,7 @@ import torch
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages_from_summaries
 from kvlocks.selection._common import page_mask
+from kvlocks.selection.rerank import rerank_ranking
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.types import PageSummaries
 
@@ -153,6 +154,9 @@ def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, se
     per_head = getattr(selector, "per_head", False)
     lead = queries.shape[:-1] if per_head else queries.shape[:-2]  # [..., G] or [...]
     sink_start = None
+    if view.token_mask is not None:
+        sink_start = view.token_mask.float().argmax(dim=-1) // s  # first real token's page
+        sink_start = sink_start.unsqueeze(-1).expand(lead) if per_head else sink_start
     if pc == 0:
         ranking = queries.new_zeros((*lead, 0), dtype=torch.float32)
     elif per_head:
@@ -161,9 +165,9 @@ def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, se
         scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
         ranking = combine_group(scores, config.combine)  # [..., Pc]
         ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
-    if view.token_mask is not None:
-        sink_start = view.token_mask.float().argmax(dim=-1) // s  # first real token's page
-        sink_start = sink_start.unsqueeze(-1).expand(lead) if per_head else sink_start
+        if config.rerank and not selector.reads_all_keys:  # exact masses of the summaries' candidates
+            ranking = rerank_ranking(queries, view.keys, scores, ranking, config, scale=view.scale,
+                                     total_pages=total, token_mask=view.token_mask, sink_start=sink_start)
     return select_top_pages(
         ranking, total, config.pages_per_step,
         sink_pages=config.sink_pages, recent_pages=config.recent_pages, sink_start=sink_start,

@@ -1,0 +1,171 @@
+"""Two-stage selection (``LocksConfig.rerank``): the summaries' candidates re-ranked by their exact
+page masses. Checked against the exact oracle (candidates covering every page), a planted needle
+(inside and outside the candidate cut), and the paged path (torch and Triton backends) against
+the token-major reference row by row."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvlocks.cache.layout import SummaryStore, paged_to_token_major  # noqa: E402
+from kvlocks.config import LocksConfig  # noqa: E402
+from kvlocks.plan import DecodePlan, paged_build  # noqa: E402
+from kvlocks.scoring.reference import combine_group  # noqa: E402
+from kvlocks.selection.rerank import rerank_ranking  # noqa: E402
+from kvlocks.selection.selectors import LayerView, LocksSelector, OracleSelector, choose_pages  # noqa: E402
+from kvlocks.selection.topk import select_top_pages  # noqa: E402
+from kvlocks.summary.build import build_summaries  # noqa: E402
+
+S = 16
+
+
+def test_config_validates_rerank():
+    assert LocksConfig().rerank == 0 and LocksConfig(rerank=4).rerank == 4
+    for bad in (1, -1, 65, True, 2.0):
+        with pytest.raises(ValueError, match="LocksConfig.rerank=.*0 \\(off\\) or an integer in 2..64"):
+            LocksConfig(rerank=bad)
+    cfg = LocksConfig(budget=64, rerank=4)  # k = 4, two free slots -> 8 candidates
+    assert cfg.rerank_candidates(100) == 8 and cfg.rerank_candidates(5) == 5 and LocksConfig().rerank_candidates(9) == 0
+    assert LocksConfig.from_json(cfg.to_json()) == cfg
+
+
+def _view(keys, cfg, token_mask=None):
+    hkv, n, d = keys.shape
+    pc = n // S
+    summ = build_summaries(keys[:, : pc * S].reshape(hkv, pc, S, d), cfg)
+    return LayerView(keys=keys, summaries=summ, token_mask=token_mask, scale=d ** -0.5)
+
+
+@pytest.mark.parametrize("rule", ["mean_share", "max_share", "sum_mass"])
+@pytest.mark.parametrize("n", [16 * 21, 16 * 21 + 7])
+def test_candidates_covering_every_page_give_the_oracle_selection(rule, n):
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, n, 32, generator=gen)
+    q = torch.randn(2, 3, 32, generator=gen) * 2
+    cfg = LocksConfig(budget=64, combine=rule, rank=4, rerank=64)  # 128 candidates >= 21 pages
+    view = _view(keys, cfg)
+    got = choose_pages(q, view, cfg, LocksSelector())
+    assert torch.equal(got, choose_pages(q, view, cfg, OracleSelector()))
+    # and left padding (a token mask) moves the sink page the same way for both
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[:, :40] = False
+    view = _view(keys, cfg, mask)
+    assert torch.equal(choose_pages(q, view, cfg, LocksSelector()), choose_pages(q, view, cfg, OracleSelector()))
+
+
+def test_a_needle_inside_the_candidates_is_chosen_and_one_outside_is_not():
+    """Hand-made estimates that rank the needle's page 6th of 10 free pages; k = 4 (2 free slots):
+    with 6 or more candidates (rerank=3) the exact mass finds it, with 4 (rerank=2) it stays out."""
+    d, pc = 8, 12
+    keys = torch.zeros(1, pc * S, d)
+    q = torch.zeros(1, 1, d)
+    q[0, 0, 0] = 1.0
+    needle = 7
+    keys[0, needle * S + 3, 0] = 40.0  # one token with logit 40 * scale
+    est = torch.zeros(1, 1, pc)
+    est[0, 0, :] = torch.tensor([9.0, 5.0, 4.9, 4.8, 4.7, 4.6, 1.0, 4.5, 1.0, 1.0, 1.0, 9.0])  # needle page: 4.5
+    ranking = combine_group(est, "mean_share")
+    for rerank, found in ((3, True), (2, False)):
+        cfg = LocksConfig(budget=64, rerank=rerank)
+        final = rerank_ranking(q, keys, est, ranking, cfg, scale=1.0, total_pages=pc)
+        pages = select_top_pages(final, pc, cfg.pages_per_step)[0].tolist()
+        assert (needle in pages) == found, (rerank, pages)
+        assert pages[0] == 0 and pages[-1] == pc - 1  # sink and recent kept
+        cand = torch.isfinite(final[0]).nonzero().flatten().tolist()
+        assert len(cand) == cfg.rerank_candidates(pc) and 0 not in cand and pc - 1 not in cand
+
+
+def _paged_case(lens, hkv, g, d, cfg, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // S) for n in lens]
+    nb = sum(need) + 2
+    perm = torch.randperm(nb, generator=gen)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for b, p in enumerate(need):
+        table[b, :p] = perm[at: at + p].to(torch.int32)
+        at += p
+    k = torch.randn(nb, S, hkv, d, generator=gen)
+    v = torch.randn(nb, S, hkv, d, generator=gen)
+    q = torch.randn(len(lens), hkv * g, d, generator=gen) * 2
+    store = SummaryStore.empty(nb, hkv, d, cfg, device="cpu")
+    full = torch.cat([table[b, : n // S] for b, n in enumerate(lens)])
+    paged_build(k, store, full, cfg, backend="torch")
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32), store
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_paged_rerank_selects_the_reference_pages_row_by_row(backend):
+    """Rows of 3 to 40 pages (full and partial last pages), k = 4, 8 candidates: the plan's pages
+    equal the token-major reference's (summaries built the same way, read back from the store)."""
+    hkv, g, d = 2, 3, 64
+    cfg = LocksConfig(budget=64, rerank=4)
+    lens = [40 * S, 23 * S + 5, 3 * S + 1, 9 * S]
+    q, k, v, table, seq, store = _paged_case(lens, hkv, g, d, cfg)
+    plan = DecodePlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1], config=cfg,
+                      dtype=torch.float32, device="cpu", backend=backend)
+    plan.run(q, k, v, store, table, seq)
+    for b, n in enumerate(lens):
+        keys = paged_to_token_major(k, table[b], n)  # [Hkv, n, D]
+        summ = store.gather(table[b, : n // S])
+        view = LayerView(keys=keys, summaries=summ, token_mask=None, scale=d ** -0.5)
+        want = choose_pages(q[b].view(hkv, g, d), view, cfg, LocksSelector())  # [Hkv, K]
+        assert plan.pages[b, :, : want.shape[-1]].tolist() == want.tolist(), (b, n)
+    # without the re-rank the plan keeps its own selection, and the two differ somewhere
+    plain = DecodePlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1],
+                       config=LocksConfig(budget=64), dtype=torch.float32, device="cpu", backend=backend)
+    reranked = plan.pages.clone()
+    plain.run(q, k, v, store, table, seq)
+    assert not torch.equal(plain.pages, reranked)
+
+
+def test_hf_cache_with_full_coverage_rerank_decodes_as_the_oracle_and_counts_key_bytes():
+    """A small random Llama (fp32, CPU path): LOCKS with candidates covering every page gives the
+    oracle's logits at every step, and its selection bytes add the candidates' keys."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvlocks.integrations.hf import LocksCache, enable
+    from kvlocks.integrations.hf_decode import prefill, step
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    enable(model)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for name, method, lcfg in (("rerank", "locks", LocksConfig(budget=48, rank=4, rerank=64)),
+                               ("oracle", "oracle", LocksConfig(budget=48, rank=4)),
+                               ("locks", "locks", LocksConfig(budget=48, rank=4))):
+        cache = LocksCache(model.config, method=method, config=lcfg)
+        logits, token = [prefill(model, cache, ids)], None
+        for _ in range(4):
+            token = int(torch.argmax(logits[-1]))
+            logits.append(step(model, cache, token))
+        runs[name] = (torch.stack([x.float() for x in logits]), cache.stats.summary())
+    torch.testing.assert_close(runs["rerank"][0], runs["oracle"][0], rtol=1e-5, atol=1e-5)
+    sel = {k: v[1]["selection_bytes"] for k, v in runs.items()}
+    # per (layer, step): the summaries plus the keys of every full page (9 pages of 16 tokens at
+    # contexts 151-154; the candidates cover them): 2 KV heads x 144 tokens x 32 dims x 4 bytes
+    assert sel["rerank"] - sel["locks"] == 2 * 144 * 32 * 4
+
+
+def test_locks_rerank_method_sets_the_default_candidate_multiple_and_forks_with_it():
+    from transformers import LlamaConfig
+
+    from kvlocks.integrations.hf import DEFAULT_RERANK, LocksCache, method_names
+
+    mc = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=64)
+    assert "locks_rerank" in method_names()
+    cache = LocksCache(mc, method="locks_rerank", config=LocksConfig(budget=64))
+    assert isinstance(cache.selector, LocksSelector) and cache.config.rerank == DEFAULT_RERANK
+    assert LocksCache(mc, method="locks_rerank", config=LocksConfig(rerank=8)).config.rerank == 8
+    fork = cache.fork()
+    assert fork.method == "locks_rerank" and fork.config.rerank == DEFAULT_RERANK
+    assert cache.fork(method="locks", config=LocksConfig(budget=64)).config.rerank == 0
