@@ -475,3 +475,27 @@ def test_kvlocks_fidelity_end_to_end(tmp_path, capsys):
     cap = load(tmp_path / "cap" / f"{needle['name']}.safetensors")
     assert cap.carrier_pages == tuple(needle["carrier_pages"]) and cap.keys.shape[2] == needle["prefix_len"]
     assert "coverage" in capsys.readouterr().out
+
+
+def test_rerank_selection_mask_is_the_oracle_when_candidates_cover_the_pages_and_the_library_rule_otherwise():
+    import torch
+
+    from kvlocks.config import LocksConfig
+    from kvlocks.scoring.reference import combine_group
+    from kvlocks.selection.rerank import rerank_ranking
+    from kvlocks.selection.topk import select_top_pages
+    from kvlocks_lab.fidelity.metrics import selection_mask
+    from kvlocks_lab.fidelity.variants import variant
+
+    gen = torch.Generator().manual_seed(0)
+    q, keys = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 20 * 16, 16, generator=gen)
+    exact = torch.logsumexp(torch.einsum("hgd,hnd->hgn", q, keys).unflatten(-1, (20, 16)), dim=-1)  # [H, G, P]
+    est = exact + 0.7 * torch.randn(exact.shape, generator=gen)  # a noisy estimate
+    assert torch.equal(selection_mask(est, 4, exact=exact, rerank=64), selection_mask(exact, 4))
+    cfg = LocksConfig(budget=64, rerank=3)
+    lib = rerank_ranking(q, keys, est, combine_group(est, "mean_share"), cfg, scale=1.0, total_pages=20)
+    want = torch.zeros(3, 20, dtype=torch.bool).scatter(-1, select_top_pages(lib, 20, 4), True)
+    assert torch.equal(selection_mask(est, 4, exact=exact, rerank=3), want.unsqueeze(-2).expand(3, 2, 20))
+    assert variant("locks_rerank4").rerank == 4 and variant("locks_rerank4").family == "locks"
+    with pytest.raises(ValueError, match="candidate multiple"):
+        variant("locks_rerank1")

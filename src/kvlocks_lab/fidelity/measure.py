@@ -114,7 +114,7 @@ class LayerMeasure:
         ex, carriers = self.exact, self.data.carrier_mask()
         for budget in self.budgets:
             mask = metrics.selection_mask(est.scores, budget // self.data.page_size, combine=v.combine,
-                                          per_head=v.per_head)  # [H, Q, G, P]
+                                          per_head=v.per_head, exact=ex.lse, rerank=v.rerank)  # [H, Q, G, P]
             cov = metrics.coverage(ex.share, mask)  # [H, Q, G]
             _, rel = metrics.output_errors(ex.share, ex.page_out, ex.out, mask)
             ret = None if carriers is None else metrics.carrier_retention(mask, carriers)

@@ -12,21 +12,34 @@ import math
 import numpy as np
 import torch
 
+from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group
+from kvlocks.selection.rerank import forced_pages, merge_exact, pick_candidates
 from kvlocks.selection.topk import select_top_pages
 
 
 def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = "mean_share",
-                   per_head: bool = False, sink_pages: int = 1, recent_pages: int = 1) -> torch.Tensor:
+                   per_head: bool = False, sink_pages: int = 1, recent_pages: int = 1,
+                   exact: torch.Tensor | None = None, rerank: int = 0) -> torch.Tensor:
     """Which pages each query head attends: bool ``[..., G, P]``.
 
     scores ``[..., G, P]`` per-head log-masses; shared selection (``per_head=False``): the
     ``combine`` rule gives one ranking per group and all G heads get the same pages (the rule
     of :func:`kvlocks.selection.choose_pages`); ``per_head``: each head its own top-k. Always
-    sink + recent + the best of the rest, ``min(k, P)`` pages.
+    sink + recent + the best of the rest, ``min(k, P)`` pages. ``rerank`` (shared selection):
+    the two-stage selection of :mod:`kvlocks.selection.rerank` with ``exact [..., G, P]`` the
+    exact page log-sum-exp its candidates read.
     """
     p = scores.shape[-1]
     ranking = scores if per_head else combine_group(scores, combine)  # [..., G, P] or [..., P]
+    if rerank and not per_head:
+        cfg = LocksConfig(budget=16 * pages_per_step, sink_pages=sink_pages, recent_pages=recent_pages,
+                          rerank=rerank)
+        forced = forced_pages(p, cfg).to(scores.device).expand(*ranking.shape[:-1], sink_pages + recent_pages)
+        pick, cand = pick_candidates(ranking, forced, cfg.rerank_candidates(p))
+        idx = torch.cat([cand, forced], dim=-1)
+        got = exact.gather(-1, idx.unsqueeze(-2).expand(*idx.shape[:-1], scores.shape[-2], idx.shape[-1]))
+        ranking = merge_exact(scores, pick, cand, forced, forced < p, got, combine)
     chosen = select_top_pages(ranking, p, pages_per_step, sink_pages=sink_pages, recent_pages=recent_pages)
     mask = torch.zeros(ranking.shape, dtype=torch.bool, device=scores.device)
     mask.scatter_(-1, chosen, True)

@@ -17,6 +17,8 @@ locks_max_share/_sum    the same scores with the other combine rules
 locks_fp32              unquantized summaries (float32 spectral basis): Theorem 1's setting
 locks_fp16/int8/int2    basis at float16 / int8 / int2 (coefficients int8; fp16: float16)
 locks_r<R>_b<B>         rank R, basis bits B in (2, 4, 8, 16, 32), ``mean_share``
+locks_rerank<C>         locks's scores choose C x (k - 2) candidates, their exact page LSE the
+                        pages (:mod:`kvlocks.selection.rerank`, ``LocksConfig.rerank = C``)
 locks_adapt<PCT>[_rule] int8 basis on pages whose key-norm range is above the PCT-th percentile
                         of their (layer, KV head), int4 elsewhere; rule prefill (default),
                         causal, calib (one model-wide threshold from the calibration prose) or
@@ -60,6 +62,7 @@ _LOCKS = re.compile(r"^locks(?:_r(\d+))?(?:_b(2|4|8|16|32)|_(fp32|fp16|int8|int4
                     r"(?:_(mean_share|max_share|sum_mass))?$")
 _ADAPT = re.compile(r"^locks_adapt(\d+)(?:_(causal|calib|random))?(?:_(mean_share|max_share|sum_mass))?$")
 _ORACLE = re.compile(r"^oracle(?:_(mean_share|max_share|sum_mass))?$")
+_RERANK = re.compile(r"^locks_rerank(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Variant:
     bits: int = 4
     adapt: int | None = None
     adapt_rule: str = "prefill"
+    rerank: int = 0
 
     @property
     def estimates_lse(self) -> bool:
@@ -100,6 +104,12 @@ def variant(name: str) -> Variant:
     m = _ORACLE.match(name)
     if m:
         return Variant(name=name, family="oracle", combine=m.group(1) or "mean_share")
+    m = _RERANK.match(name)
+    if m:
+        c = int(m.group(1))
+        if not 2 <= c <= 64:
+            raise ValueError(f"selector {name!r}: the candidate multiple must be in 2..64, got {c}")
+        return Variant(name=name, family="locks", rerank=c)
     m = _ADAPT.match(name)
     if m:
         pct = int(m.group(1))
@@ -116,7 +126,8 @@ def variant(name: str) -> Variant:
         return Variant(name=name, family="locks", combine=m.group(4) or "mean_share", rank=rank, bits=bits)
     raise ValueError(f"unknown selector {name!r}; allowed {sorted(_FIXED | {'oracle', 'locks'})}, "
                      "oracle_<combine>, locks_<fp32|fp16|int8|int4|int2>[_<combine>], "
-                     f"locks_r<R>_b<2|4|8|16|32>[_<combine>], locks_adapt<1..99>[_causal|_calib|_random][_<combine>] "
+                     f"locks_r<R>_b<2|4|8|16|32>[_<combine>], locks_adapt<1..99>[_causal|_calib|_random][_<combine>], "
+                     "locks_rerank<2..64> "
                      f"with combine in {COMBINES}")
 
 

@@ -12,6 +12,7 @@ from functools import partial
 from kvlocks_lab.eval.tasks.extraction import common_words, frequent_words
 from kvlocks_lab.eval.tasks.kv import kv_uuid
 from kvlocks_lab.eval.tasks.needles import niah, passkey
+from kvlocks_lab.eval.tasks.prose_numbers import prose_numbers
 from kvlocks_lab.eval.tasks.qa import document_qa
 from kvlocks_lab.eval.tasks.record import TaskRecord
 from kvlocks_lab.eval.tasks.spec import TaskSpec
@@ -45,6 +46,8 @@ _SPECS = (
              description="value of one UUID key in a JSON object"),
     TaskSpec(name="qa_doc", draft=document_qa, metric="part", shape="token", max_new_tokens=16,
              description="short-answer question on a planted fact among 3 distractor facts"),
+    TaskSpec(name="prose_numbers", draft=prose_numbers, metric="all", shape="number", max_new_tokens=16,
+             description="a four-digit number about one person among 5 look-alike facts about others"),
 )
 
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in _SPECS}
