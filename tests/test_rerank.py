@@ -100,12 +100,15 @@ def _paged_case(lens, hkv, g, d, cfg, seed=0):
     return q, k, v, table, torch.tensor(lens, dtype=torch.int32), store
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_paged_rerank_selects_the_reference_pages_row_by_row(backend):
+@pytest.mark.parametrize("backend,rule", [("torch", "mean_share"), ("triton", "mean_share"),
+                                          ("triton", "max_share"), ("triton", "sum_mass")])
+def test_paged_rerank_selects_the_reference_pages_row_by_row(backend, rule):
     """Rows of 3 to 40 pages (full and partial last pages), k = 4, 8 candidates: the plan's pages
-    equal the token-major reference's (summaries built the same way, read back from the store)."""
+    equal the token-major reference's (summaries built the same way, read back from the store).
+    Triton: the fused selection picks the 10 candidates, the re-rank works on those only and
+    rebuilds the combine's normalisers from the per-head log-sum-exp."""
     hkv, g, d = 2, 3, 64
-    cfg = LocksConfig(budget=64, rerank=4)
+    cfg = LocksConfig(budget=64, rerank=4, combine=rule)
     lens = [40 * S, 23 * S + 5, 3 * S + 1, 9 * S]
     q, k, v, table, seq, store = _paged_case(lens, hkv, g, d, cfg)
     plan = DecodePlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1], config=cfg,
@@ -119,7 +122,8 @@ def test_paged_rerank_selects_the_reference_pages_row_by_row(backend):
         assert plan.pages[b, :, : want.shape[-1]].tolist() == want.tolist(), (b, n)
     # without the re-rank the plan keeps its own selection, and the two differ somewhere
     plain = DecodePlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1],
-                       config=LocksConfig(budget=64), dtype=torch.float32, device="cpu", backend=backend)
+                       config=LocksConfig(budget=64, combine=rule), dtype=torch.float32, device="cpu",
+                       backend=backend)
     reranked = plan.pages.clone()
     plain.run(q, k, v, store, table, seq)
     assert not torch.equal(plain.pages, reranked)

@@ -183,38 +183,40 @@ class DecodePlan:
             self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device)
             self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
                                                  launch=self.options.dense_launches[0])
-            if config.rerank:
-                from kvlocks.selection.triton import select_workspace
-
-                self.rerank_ws = select_workspace(batch, num_kv_heads, max_pages, self.k, device)
+            if config.rerank:  # the fused selection picks the candidates: k' = M + sink + recent pages
+                self.k_cand = min(max_pages, config.rerank_candidates(max_pages) + config.sink_pages
+                                  + config.recent_pages)
+                self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
         c, be, opts = self.config, self.backend, self.options
-        if be == "triton" and not c.rerank:  # score kernel, then combine + selection fused in one launch
+        if be == "triton":  # score kernel, then combine + selection fused in one launch
             from kvlocks.scoring.triton import score_pages_paged
             from kvlocks.selection.fused import rank_and_select
 
             score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
                               workspace=self.score_ws, rank=False, options=opts)
-            self.pages = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k,
-                                         combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
-                                         workspace=self.select_ws, options=opts)
-        else:
-            if be == "triton":  # score kernel; the re-rank's exact masses; the two-launch selection
-                from kvlocks.scoring.triton import score_pages_paged
+            if c.rerank:  # the same launch picks the candidates; their exact masses pick the pages
+                from kvlocks.selection.rerank_paged import rerank_selected
 
-                score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
-                                  workspace=self.score_ws, rank=False, options=opts)
-                scores, ranking = self.score_ws.scores, None
+                cand = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k_cand,
+                                       combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
+                                       workspace=self.rerank_ws, options=opts)
+                self.pages = rerank_selected(queries, k_cache, block_table, seq_lens, self.score_ws.scores,
+                                             self.score_ws.lse, cand, c, scale=self.scale)
             else:
-                scores, _, ranking = paged_score(queries, summaries, block_table, seq_lens, scale=self.scale,
-                                                 combine=c.combine, backend=be)
+                self.pages = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k,
+                                             combine=c.combine, sink_pages=c.sink_pages,
+                                             recent_pages=c.recent_pages, workspace=self.select_ws, options=opts)
+        else:
+            scores, _, ranking = paged_score(queries, summaries, block_table, seq_lens, scale=self.scale,
+                                             combine=c.combine, backend=be)
             if c.rerank:
                 from kvlocks.selection.rerank_paged import paged_rerank
 
                 ranking = paged_rerank(queries, k_cache, block_table, seq_lens, scores, c, scale=self.scale)
             self.pages = paged_select(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
-                                      recent_pages=c.recent_pages, backend=be, workspace=self.rerank_ws)
+                                      recent_pages=c.recent_pages, backend=be)
         return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
                             backend=be, workspace=self.attend_ws, options=opts)

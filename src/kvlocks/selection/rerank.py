@@ -25,9 +25,9 @@ NEG_INF = float("-inf")
 
 
 def candidates(pick: torch.Tensor, count: int) -> torch.Tensor:
-    """int64 ``[..., count]``: the ``count`` best pages of ``pick [..., P]`` (ties to the lower
-    index, as the selection breaks them), in descending order."""
-    return torch.sort(pick.float(), dim=-1, descending=True, stable=True).indices[..., :count]
+    """int64 ``[..., count]``: the ``count`` best pages of ``pick [..., P]``, best first (exactly
+    tied estimates may come in any order; surplus ``-inf`` entries are not useful)."""
+    return torch.topk(pick.float(), count, dim=-1).indices
 
 
 def forced_pages(total_pages, config: LocksConfig, sink_start=None):

@@ -46,3 +46,51 @@ def paged_rerank(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torc
     logits = torch.einsum("bhgd,bhmsd->bhgms", queries.view(bsz, hkv, g, d).float(), keys.float()) * scale
     exact = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G, M + F]
     return merge_exact(est, pick, cand, forced, forced_ok, exact, config.combine)
+
+
+def rerank_selected(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    scores: torch.Tensor, lse: torch.Tensor, cand: torch.Tensor, config: LocksConfig, *,
+                    scale: float) -> torch.Tensor:
+    """The final pages from a selection of ``k' = M + sink + recent`` pages by the summaries: work
+    on the ``k'`` pages only, the same result as :func:`paged_rerank`.
+
+    cand int32 ``[B, Hkv, k']`` (ascending page ids, -1 padded: the fused selection's output at
+    ``k'``), scores float32 ``[B, Hkv, G, W]`` and lse ``[B, Hkv, G]`` (the per-head log-sum-exp of
+    the estimates over the full pages, written by that selection). The combine's normalisers over
+    all pages follow from ``lse``: the estimates of the re-ranked pages are taken out of it and
+    their exact masses put in. -> int32 ``[B, Hkv, k]`` ascending, -1 padded.
+    """
+    bsz, hq, d = queries.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    g, k = hq // hkv, config.pages_per_step
+    lens = seq_lens.long().view(bsz, 1, 1)
+    pc, total = lens // s, (lens + s - 1) // s
+    page = cand.long()
+    valid = page >= 0
+    used = valid & (page < pc)  # full pages: re-ranked (forced ones too, for the normalisers)
+    forced = valid & ((page >= total - config.recent_pages) | (page < config.sink_pages))
+    at = torch.where(used, page, 0)
+    est = scores.float().gather(-1, at.unsqueeze(-2).expand(bsz, hkv, g, at.shape[-1]))  # [B, Hkv, G, k']
+    phys = block_table.long().gather(1, at.flatten(1)).view(bsz, hkv, -1)
+    keys = k_cache[phys, :, torch.arange(hkv, device=queries.device).view(1, hkv, 1)]  # [B, Hkv, k', S, D]
+    logits = torch.einsum("bhgd,bhmsd->bhgms", queries.view(bsz, hkv, g, d).float(), keys.float()) * scale
+    exact = torch.logsumexp(logits, dim=-1).masked_fill(~used.unsqueeze(-2), NEG_INF)  # [B, Hkv, G, k']
+    est = est.masked_fill(~used.unsqueeze(-2), NEG_INF)
+    if config.combine == "sum_mass":
+        combined = torch.logsumexp(exact, dim=-2)
+    else:  # per-head shares: the normaliser with the re-ranked pages' estimates replaced by exact masses
+        top = torch.maximum(lse.float(), exact.amax(-1)).unsqueeze(-1)  # [B, Hkv, G, 1]
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        new = torch.exp(exact - top).sum(-1, keepdim=True)
+        rest = (torch.exp(lse.float().unsqueeze(-1) - top) - torch.exp(est - top).sum(-1, keepdim=True)).clamp_min(0)
+        share = torch.exp(exact - top) / (rest + new)
+        combined = share.mean(-2) if config.combine == "mean_share" else share.amax(-2)
+    width = block_table.shape[1]
+    prio = torch.where(forced, float("inf"), torch.where(used, combined, NEG_INF))  # padding: -inf
+    chosen = torch.topk(prio, min(k, prio.shape[-1]), dim=-1).indices
+    ids = torch.where(valid.gather(-1, chosen), page.gather(-1, chosen), width)  # padding sorts last
+    ids = torch.sort(ids, dim=-1).values
+    out = torch.where(ids < width, ids, -1).to(torch.int32)
+    if out.shape[-1] < k:
+        out = torch.cat([out, out.new_full((bsz, hkv, k - out.shape[-1]), -1)], dim=-1)
+    return out

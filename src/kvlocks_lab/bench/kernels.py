@@ -126,7 +126,18 @@ def _bytes(case, k_pages):
             "x_select_fused": rows * case.p * 4 * case.g,
             "x_splitk_default": rows * case.p * kv_page,
             "dense_sdpa": rows * case.p * kv_page, "dense_splitk": rows * case.p * kv_page, "locks_score": summ,
-            "locks_select": select, "locks_attend": attend, "locks_total": summ + select + attend}
+            "locks_select": select, "locks_attend": attend, "locks_total": summ + select + attend,
+            "x_locks_rerank_total": summ + select + rows * rerank_pages(case) * case.lcfg.page_size * case.d * 2
+            + attend}
+
+
+RERANK = 4  # the candidate multiple x_locks_rerank_total measures (kvlocks.integrations.hf.DEFAULT_RERANK)
+
+
+def rerank_pages(case) -> int:
+    """Pages whose keys the re-rank reads per row: the candidates and the forced full pages."""
+    c = dataclasses.replace(case.lcfg, rerank=RERANK)
+    return min(case.p, c.rerank_candidates(case.p) + c.sink_pages + c.recent_pages)
 
 
 def _methods(case, device):
@@ -139,6 +150,10 @@ def _methods(case, device):
     plan = DecodePlan(batch=case.bsz, num_kv_heads=case.hkv, group=case.g, head_dim=case.d, max_pages=case.p,
                       config=case.lcfg, dtype=torch.bfloat16, device=device, backend="triton")
     c, k = case.lcfg, case.lcfg.pages_per_step
+    # the whole step with the exact re-rank of RERANK x (k - 2) candidates (LocksConfig.rerank)
+    rerank_plan = DecodePlan(batch=case.bsz, num_kv_heads=case.hkv, group=case.g, head_dim=case.d,
+                             max_pages=case.p, config=dataclasses.replace(c, rerank=RERANK), dtype=torch.bfloat16,
+                             device=device, backend="triton")
     sel = dict(page_size=c.page_size, k=k, sink_pages=c.sink_pages, recent_pages=c.recent_pages)
     unfused_ws = select_workspace(case.bsz, case.hkv, case.p, k, device)
     fused_ws = fused_workspace(case.bsz, case.hkv, case.p, k, device)
@@ -186,6 +201,8 @@ def _methods(case, device):
                                                     **sel),
         "x_select_ranked": lambda r: select_pages_paged(rankings[r], case.seq, workspace=unfused_ws, **sel),
         "x_launch_floor": lambda r: empty.add_(1.0),
+        "x_locks_rerank_total": lambda r: rerank_plan.run(case.q[r], case.kc, case.vc, case.store, case.tables[r],
+                                                          case.seq),
         **{name: (lambda r, o=o: score_pages_paged(case.q[r], case.store, case.tables[r], case.seq, workspace=sw,
                                                    options=o))
            for name, o in variants.items()},
