@@ -23,6 +23,7 @@ from kvlocks.engine.graph import StepRunner
 from kvlocks.engine.overlap import PrefillBuild
 from kvlocks.engine.parts import model_parts
 from kvlocks.engine.prefill import prefill
+from kvlocks.positions import check_context, position_limit
 from kvlocks.engine.step import DecodeStep
 from kvlocks.kernels_support import check_config
 from kvlocks.plan import resolve_backend
@@ -40,6 +41,7 @@ class DecodeEngine:
     def __init__(self, model, config: EngineConfig) -> None:
         self.config = config
         self.parts = model_parts(model)
+        self.positions = position_limit(model.config)  # prompts + new tokens must fit
         p = self.parts
         self.backend = resolve_backend(config.backend, p.device)
         check_config(config.locks, p.head_dim, backend=self.backend, owner="EngineConfig.locks")
@@ -131,6 +133,7 @@ class DecodeEngine:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        check_context(input_ids.shape[1], max_new_tokens, self.positions)
         if input_ids.shape[1] + max_new_tokens > self.cache.capacity:
             raise ValueError(f"prompt {input_ids.shape[1]} + {max_new_tokens} new tokens exceed max_context="
                              f"{self.config.max_context}")

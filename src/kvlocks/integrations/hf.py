@@ -32,6 +32,7 @@ from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
+from kvlocks.positions import position_limit
 from kvlocks.plan import BACKENDS, resolve_backend
 from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
@@ -108,6 +109,11 @@ class LocksLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        limit = self.owner.positions
+        if limit is not None and self.store.length + key_states.shape[-2] > limit:
+            raise ValueError(f"the context ({self.store.length + key_states.shape[-2]} tokens) exceeds the model's "
+                             f"{limit} positions (max_position_embeddings): shorten the prompt or generate fewer "
+                             "tokens (kvlocks generate --truncate left|right cuts the prompt)")
         self.store.append(key_states, value_states)
         keys, values = self.store.keys, self.store.values
         keys._kvlocks_layer = self  # lets the attention function find this layer, no global state
@@ -265,6 +271,7 @@ class LocksCache(Cache):
             self.config = dataclasses.replace(self.config, rerank=DEFAULT_RERANK)
         self.stats = DecodeStats()
         self.model_config = model_config
+        self.positions = position_limit(model_config)
         text = model_config.get_text_config(decoder=True)
         n_layers = text.num_hidden_layers
         super().__init__(layers=[LocksLayer(self, i) for i in range(n_layers)])
