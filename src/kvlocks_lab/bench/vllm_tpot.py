@@ -99,7 +99,8 @@ def _worker(spec: dict) -> list[dict]:
     batches_all = sorted({b for _, bs in cells for b in bs})
     t0 = time.time()
     llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              max_model_len=max_len, max_num_seqs=max(batches_all), gpu_memory_utilization=GPU_UTIL,
+              max_model_len=max_len, max_num_seqs=max(batches_all),
+              gpu_memory_utilization=spec.get("gpu_memory_utilization", GPU_UTIL),
               enable_prefix_caching=True, disable_log_stats=False, max_num_batched_tokens=16384,
               compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *batches_all})})
     init_s = time.time() - t0
