@@ -15,12 +15,14 @@ INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}  # FlashAttention and GEMMs batch-inva
 
 
 def test_prefix_caching_and_preemption_never_use_a_stale_summary(tmp_path):
-    # same seed: the prompts share their first items, so later ones hit earlier ones' cached blocks
-    prompts = [tokenize(long_text(38 + 6 * i)) for i in range(6)]  # 655 .. 1174 tokens
+    # five prompts of 619-621 tokens (39 blocks of 16) with no block in common, then the first again
+    # (a prefix-cache hit on blocks that other requests may have reused meanwhile)
+    prompts = [tokenize(long_text(36, seed=i)) for i in range(5)]
+    prompts.append(prompts[0])
     assert max(len(p) for p in prompts) + NEW < 1280
     cfg = LocksConfig(budget=64).to_json()
-    # 84 blocks of 16 tokens: the prompts' shared prefix takes ~74, so four requests decoding 64 tokens
-    # each (4 blocks each, plus their own last prompt block) cannot all keep theirs: vLLM preempts
+    # 84 blocks: two requests start (78 blocks) and each needs 5 more for 64 new tokens (88 > 84), so
+    # vLLM preempts one, frees its blocks and hands them to the other requests
     small = {"max_model_len": 1280, "num_gpu_blocks_override": 84, "max_num_seqs": 4,
              "enable_prefix_caching": True, "disable_log_stats": False}
     spec = {"prompts": prompts, "max_tokens": NEW, "locks": cfg}
