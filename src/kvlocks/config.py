@@ -51,6 +51,16 @@ class LocksConfig(ConfigIO):
         summaries rank the pages, the top ``c * (k - sink_pages - recent_pages)`` are candidates,
         their exact per-page log-sum-exp is computed from their keys (no values), and the top
         pages by those exact masses are selected (:mod:`kvlocks.selection.rerank`).
+    group_pages : int
+        Hierarchical scoring: 0 (off, the default) or the pages per group, 2..256 (at most 4096
+        tokens). Each group of consecutive full pages has a LOCKS summary of its own (a super-page
+        of ``group_pages * page_size`` keys, rank ``group_rank``); a step scores the groups, keeps
+        the best ``group_keep * (k - sink_pages - recent_pages)`` of them and scores only their
+        pages (:mod:`kvlocks.selection.hierarchy`).
+    group_rank : int
+        Rank of the group summaries, 1..``group_pages * page_size`` (default 8).
+    group_keep : int
+        Groups kept per free page slot, >= 1 (default 1).
     """
 
     page_size: int = 16
@@ -62,6 +72,9 @@ class LocksConfig(ConfigIO):
     coef_bits: int = 8
     combine: str = "mean_share"
     rerank: int = 0
+    group_pages: int = 0
+    group_rank: int = 8
+    group_keep: int = 1
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 2, 4096)
@@ -89,11 +102,26 @@ class LocksConfig(ConfigIO):
         if isinstance(self.rerank, bool) or not isinstance(self.rerank, int) or not (
                 self.rerank == 0 or 2 <= self.rerank <= 64):
             raise ValueError(f"LocksConfig.rerank={self.rerank!r}: allowed 0 (off) or an integer in 2..64")
+        if isinstance(self.group_pages, bool) or not isinstance(self.group_pages, int) or not (
+                self.group_pages == 0 or 2 <= self.group_pages <= 256):
+            raise ValueError(f"LocksConfig.group_pages={self.group_pages!r}: allowed 0 (off) or an integer in 2..256")
+        if self.group_pages * self.page_size > 4096:
+            raise ValueError(f"LocksConfig.group_pages={self.group_pages}: a group of group_pages * page_size = "
+                             f"{self.group_pages * self.page_size} tokens exceeds 4096")
+        _check_int("group_rank", self.group_rank, 1, self.group_pages * self.page_size or None)
+        _check_int("group_keep", self.group_keep, 1)
 
     @property
     def pages_per_step(self) -> int:
         """k: pages attended per (layer, KV head) at one decode step."""
         return self.budget // self.page_size
+
+    def groups_kept(self, full_groups: int) -> int:
+        """Groups whose pages are scored, of ``full_groups`` (0 when hierarchical scoring is off)."""
+        if not self.group_pages:
+            return 0
+        free = max(1, self.pages_per_step - self.sink_pages - self.recent_pages)
+        return min(full_groups, self.group_keep * free)
 
     def rerank_candidates(self, full_pages: int) -> int:
         """Candidate pages the exact re-rank scores among ``full_pages`` (0 when it is off)."""

@@ -22,7 +22,7 @@ import torch
 from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
 from kvlocks.cache.layout import SummaryStore, paged_to_token_major
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
-from kvlocks.kernels_support import BACKENDS, check_config
+from kvlocks.kernels_support import BACKENDS, check_config, check_plan
 from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.build import build_summaries
@@ -169,6 +169,7 @@ class DecodePlan:
                  scale=None, backend=None, options: KernelOptions | None = None):
         self.config, self.backend = config, resolve_backend(backend, device)
         check_config(config, head_dim, backend=self.backend)
+        check_plan(config)
         self.options = options or default_kernel_options()
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.k = config.pages_per_step

@@ -499,3 +499,28 @@ def test_rerank_selection_mask_is_the_oracle_when_candidates_cover_the_pages_and
     assert variant("locks_rerank4").rerank == 4 and variant("locks_rerank4").family == "locks"
     with pytest.raises(ValueError, match="candidate multiple"):
         variant("locks_rerank1")
+
+
+def test_hierarchical_selection_mask_is_the_library_rule():
+    import torch
+
+    from kvlocks.config import LocksConfig
+    from kvlocks.scoring.reference import score_pages_from_summaries
+    from kvlocks.selection.hierarchy import group_summaries, hierarchical_ranking
+    from kvlocks.selection.topk import select_top_pages
+    from kvlocks_lab.fidelity.metrics import selection_mask
+    from kvlocks_lab.fidelity.variants import variant
+
+    gen = torch.Generator().manual_seed(4)
+    q, keys = torch.randn(2, 3, 16, generator=gen), torch.randn(2, 24 * 16, 16, generator=gen)
+    cfg = LocksConfig(budget=64, rank=4, group_pages=4, group_keep=1, group_rank=4)
+    gscores = score_pages_from_summaries(q, group_summaries(keys, cfg), scale=0.25)  # [2, 3, 6]
+    est = torch.randn(2, 3, 24, generator=gen)
+    ranking, _ = hierarchical_ranking(est, gscores, cfg)
+    want = torch.zeros(2, 24, dtype=torch.bool).scatter(-1, select_top_pages(ranking, 24, 4), True)
+    got = selection_mask(est, 4, group_scores=gscores, group_pages=4, group_keep=1)
+    assert torch.equal(got, want.unsqueeze(-2).expand(2, 3, 24))
+    v = variant("locks_hier8_k2")
+    assert (v.family, v.group_pages, v.group_keep) == ("locks", 8, 2) and variant("locks_hier16").group_keep == 1
+    with pytest.raises(ValueError, match="group pages"):
+        variant("locks_hier1")

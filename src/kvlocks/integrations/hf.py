@@ -51,9 +51,10 @@ def method_names() -> tuple[str, ...]:
 def kernel_path(selector, config: LocksConfig, head_dim: int) -> bool:
     """Whether the Triton kernels implement this (selector, config, head_dim): the default LOCKS
     selector and a configuration :func:`kvlocks.kernels_support.kernel_support` accepts for them,
-    without the exact re-rank (``config.rerank``, which the engine's plan runs). Otherwise the cache
-    runs the PyTorch references (the stated fallback)."""
-    return isinstance(selector, LocksSelector) and not config.rerank and kernel_support(
+    without the exact re-rank (``config.rerank``, which the engine's plan runs) or hierarchical
+    scoring (``config.group_pages``). Otherwise the cache runs the PyTorch references (the stated
+    fallback)."""
+    return isinstance(selector, LocksSelector) and not (config.rerank or config.group_pages) and kernel_support(
         page_size=config.page_size, rank=config.rank, head_dim=head_dim, basis_bits=config.basis_bits,
         coef_bits=config.coef_bits, backend="triton") is None
 

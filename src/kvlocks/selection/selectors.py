@@ -27,6 +27,7 @@ import torch
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages_from_summaries
 from kvlocks.selection._common import page_mask
+from kvlocks.selection.hierarchy import hierarchical_page_scores, hierarchical_ranking
 from kvlocks.selection.rerank import rerank_ranking
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.types import PageSummaries
@@ -161,13 +162,17 @@ def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, se
         ranking = queries.new_zeros((*lead, 0), dtype=torch.float32)
     elif per_head:
         ranking = selector.page_scores(queries, view, config)  # [..., G, Pc]
+    elif config.group_pages and isinstance(selector, LocksSelector):  # groups first, then their pages
+        scores, groups = hierarchical_page_scores(queries, view.keys, view.summaries, config, scale=view.scale,
+                                                  token_mask=view.token_mask)
+        ranking, scores = hierarchical_ranking(scores, groups, config)
     else:
         scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
         ranking = combine_group(scores, config.combine)  # [..., Pc]
         ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
-        if config.rerank and not selector.reads_all_keys:  # exact masses of the summaries' candidates
-            ranking = rerank_ranking(queries, view.keys, scores, ranking, config, scale=view.scale,
-                                     total_pages=total, token_mask=view.token_mask, sink_start=sink_start)
+    if pc and not per_head and config.rerank and not selector.reads_all_keys:  # exact masses of the candidates
+        ranking = rerank_ranking(queries, view.keys, scores, ranking, config, scale=view.scale, total_pages=total,
+                                 token_mask=view.token_mask, sink_start=sink_start)
     return select_top_pages(
         ranking, total, config.pages_per_step,
         sink_pages=config.sink_pages, recent_pages=config.recent_pages, sink_start=sink_start,

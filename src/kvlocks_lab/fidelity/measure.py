@@ -29,6 +29,9 @@ from kvlocks_lab.fidelity import bounds, ladder, metrics
 from kvlocks_lab.fidelity.exact import ExactLayer, LayerData, exact_layer
 from kvlocks_lab.fidelity.tails import TailStats, page_properties
 from kvlocks_lab.fidelity.variants import Estimate, Resources, Variant, estimate, variant
+from kvlocks.config import LocksConfig
+from kvlocks.scoring.reference import score_pages_from_summaries
+from kvlocks.selection.hierarchy import group_summaries
 from kvlocks.summary import spectral_basis
 
 SCATTER = ("locks", "shadowkv", "global", "loki")  # variants sampled for the share figure
@@ -63,6 +66,7 @@ class LayerMeasure:
         self.exact: ExactLayer | None = None
         self.cache: dict[str, Estimate] = {}
         self._oracle: dict[int, torch.Tensor] = {}
+        self._groups: dict[int, torch.Tensor] = {}
         self.spectral: tuple | None = None  # unquantized spectral_basis of the pages, set by run()
         self.rows: list[dict] = []
         self.scatter: dict[str, list[list[float]]] = {}
@@ -114,7 +118,9 @@ class LayerMeasure:
         ex, carriers = self.exact, self.data.carrier_mask()
         for budget in self.budgets:
             mask = metrics.selection_mask(est.scores, budget // self.data.page_size, combine=v.combine,
-                                          per_head=v.per_head, exact=ex.lse, rerank=v.rerank)  # [H, Q, G, P]
+                                          per_head=v.per_head, exact=ex.lse, rerank=v.rerank,
+                                          group_scores=self._group_scores(v.group_pages),
+                                          group_pages=v.group_pages, group_keep=v.group_keep)  # [H, Q, G, P]
             cov = metrics.coverage(ex.share, mask)  # [H, Q, G]
             _, rel = metrics.output_errors(ex.share, ex.page_out, ex.out, mask)
             ret = None if carriers is None else metrics.carrier_retention(mask, carriers)
@@ -131,6 +137,18 @@ class LayerMeasure:
                                   carrier_hot_n=int(hot[h].sum()), carrier_of_oracle_hits=int(of_oracle[0][h]),
                                   carrier_of_oracle_n=int(of_oracle[1][h]))
                 self._row("selection", h, selector=v.name, budget=budget, **fields)
+
+    def _group_scores(self, group_pages: int) -> torch.Tensor | None:
+        """Eq. 4 scores ``[H, Q, G, NG]`` of the layer's groups of ``group_pages`` pages (None: 0)."""
+        if not group_pages:
+            return None
+        if group_pages not in self._groups:
+            cfg = LocksConfig(page_size=self.data.page_size, rank=self.res.rank, group_pages=group_pages,
+                              group_rank=self.res.rank, budget=2 * self.data.page_size)
+            gs = group_summaries(self.data.keys, cfg)
+            self._groups[group_pages] = self.data.unflatten(
+                score_pages_from_summaries(self.data.flat_queries, gs, scale=self.data.scale))
+        return self._groups[group_pages]
 
     def _oracle_mask(self, budget: int) -> torch.Tensor:
         """The exact (``oracle``, ``mean_share``) selection at ``budget``: bool ``[H, Q, G, P]``."""

@@ -14,13 +14,15 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group
+from kvlocks.selection.hierarchy import hierarchical_ranking
 from kvlocks.selection.rerank import forced_pages, merge_exact, pick_candidates
 from kvlocks.selection.topk import select_top_pages
 
 
 def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = "mean_share",
                    per_head: bool = False, sink_pages: int = 1, recent_pages: int = 1,
-                   exact: torch.Tensor | None = None, rerank: int = 0) -> torch.Tensor:
+                   exact: torch.Tensor | None = None, rerank: int = 0, group_scores: torch.Tensor | None = None,
+                   group_pages: int = 0, group_keep: int = 1) -> torch.Tensor:
     """Which pages each query head attends: bool ``[..., G, P]``.
 
     scores ``[..., G, P]`` per-head log-masses; shared selection (``per_head=False``): the
@@ -28,10 +30,16 @@ def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = 
     of :func:`kvlocks.selection.choose_pages`); ``per_head``: each head its own top-k. Always
     sink + recent + the best of the rest, ``min(k, P)`` pages. ``rerank`` (shared selection):
     the two-stage selection of :mod:`kvlocks.selection.rerank` with ``exact [..., G, P]`` the
-    exact page log-sum-exp its candidates read.
+    exact page log-sum-exp its candidates read. ``group_pages`` (shared selection): hierarchical
+    scoring (:mod:`kvlocks.selection.hierarchy`) with ``group_scores [..., G, NG]`` the groups' Eq. 4
+    scores.
     """
     p = scores.shape[-1]
     ranking = scores if per_head else combine_group(scores, combine)  # [..., G, P] or [..., P]
+    if group_pages and not per_head:
+        hcfg = LocksConfig(budget=16 * pages_per_step, sink_pages=sink_pages, recent_pages=recent_pages,
+                           combine=combine, group_pages=group_pages, group_keep=group_keep)
+        ranking, scores = hierarchical_ranking(scores, group_scores, hcfg)
     if rerank and not per_head:
         cfg = LocksConfig(budget=16 * pages_per_step, sink_pages=sink_pages, recent_pages=recent_pages,
                           rerank=rerank)

@@ -19,6 +19,9 @@ locks_fp16/int8/int2    basis at float16 / int8 / int2 (coefficients int8; fp16:
 locks_r<R>_b<B>         rank R, basis bits B in (2, 4, 8, 16, 32), ``mean_share``
 locks_rerank<C>         locks's scores choose C x (k - 2) candidates, their exact page LSE the
                         pages (:mod:`kvlocks.selection.rerank`, ``LocksConfig.rerank = C``)
+locks_hier<M>[_k<K>]    hierarchical scoring: groups of M pages with their own summaries (rank as
+                        the run's), the best K x (k - 2) groups' pages scored (K = 1 by default;
+                        :mod:`kvlocks.selection.hierarchy`)
 locks_adapt<PCT>[_rule] int8 basis on pages whose key-norm range is above the PCT-th percentile
                         of their (layer, KV head), int4 elsewhere; rule prefill (default),
                         causal, calib (one model-wide threshold from the calibration prose) or
@@ -63,6 +66,7 @@ _LOCKS = re.compile(r"^locks(?:_r(\d+))?(?:_b(2|4|8|16|32)|_(fp32|fp16|int8|int4
 _ADAPT = re.compile(r"^locks_adapt(\d+)(?:_(causal|calib|random))?(?:_(mean_share|max_share|sum_mass))?$")
 _ORACLE = re.compile(r"^oracle(?:_(mean_share|max_share|sum_mass))?$")
 _RERANK = re.compile(r"^locks_rerank(\d+)$")
+_HIER = re.compile(r"^locks_hier(\d+)(?:_k(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class Variant:
     adapt: int | None = None
     adapt_rule: str = "prefill"
     rerank: int = 0
+    group_pages: int = 0
+    group_keep: int = 1
 
     @property
     def estimates_lse(self) -> bool:
@@ -110,6 +116,12 @@ def variant(name: str) -> Variant:
         if not 2 <= c <= 64:
             raise ValueError(f"selector {name!r}: the candidate multiple must be in 2..64, got {c}")
         return Variant(name=name, family="locks", rerank=c)
+    m = _HIER.match(name)
+    if m:
+        pages, keep = int(m.group(1)), int(m.group(2) or 1)
+        if not 2 <= pages <= 256 or keep < 1:
+            raise ValueError(f"selector {name!r}: group pages must be in 2..256 and K >= 1")
+        return Variant(name=name, family="locks", group_pages=pages, group_keep=keep)
     m = _ADAPT.match(name)
     if m:
         pct = int(m.group(1))
@@ -127,7 +139,7 @@ def variant(name: str) -> Variant:
     raise ValueError(f"unknown selector {name!r}; allowed {sorted(_FIXED | {'oracle', 'locks'})}, "
                      "oracle_<combine>, locks_<fp32|fp16|int8|int4|int2>[_<combine>], "
                      f"locks_r<R>_b<2|4|8|16|32>[_<combine>], locks_adapt<1..99>[_causal|_calib|_random][_<combine>], "
-                     "locks_rerank<2..64> "
+                     "locks_rerank<2..64>, locks_hier<2..256>[_k<K>] "
                      f"with combine in {COMBINES}")
 
 

@@ -43,7 +43,7 @@ def register() -> None:
     if config is None or _registered:
         return
     from kvlocks.integrations.vllm import compat, cuda_compat
-    from kvlocks.kernels_support import check_config
+    from kvlocks.kernels_support import check_config, check_plan
 
     check_config(config, None, backend="torch", owner=ENV_VAR)  # the summary store's format, naming the fields
     if compat.is_cpu_platform():
@@ -51,6 +51,7 @@ def register() -> None:
         entry = "CPU_ATTN"
     elif cuda_compat.is_cuda_platform():
         check_config(config, None, backend="triton", owner=ENV_VAR)  # what the CUDA kernels support
+        check_plan(config, owner=ENV_VAR)
         cuda_compat.register_cuda_backend()
         entry = "FLASH_ATTN"
     else:
