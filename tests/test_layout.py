@@ -175,6 +175,6 @@ def test_no_file_over_400_lines(part):
     assert long == {}
 
 
-def test_product_well_under_13k_lines():
+def test_product_well_under_15k_lines():
     lines = sum(len(p.read_text().splitlines()) for p in (SRC / "kvlocks").rglob("*.py"))
-    assert lines < 13_000, lines
+    assert lines < 15_000, lines

@@ -21,7 +21,13 @@ def add_parser(sub) -> None:
     p.add_argument("--method", default="fold", choices=METHODS,
                    help="fold: AM with the bias folded into the keys (a plain cache); am: keeps the bias; "
                         "drop, drop_refit, rank1, merge_fold: baselines")
-    p.add_argument("--ratio", type=float, default=0.1, help="fraction of keys kept per KV head, in (0, 1]")
+    from kvlocks.compaction.estimate import DEFAULT_RATIO, RATIO_HELP
+
+    p.add_argument("--ratio", type=float, default=DEFAULT_RATIO,
+                   help=f"fraction of keys kept per KV head, in (0, 1] (default {DEFAULT_RATIO}). {RATIO_HELP}")
+    p.add_argument("--question", action="append", metavar="TEXT",
+                   help="a question the compacted prefix will be asked (repeatable): its queries, and those "
+                        "of the model's answer to it, join the reference queries, so the keys it needs are kept")
     p.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the input (default: all)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the text as a user turn of the chat template (and the reference prompts too)")
@@ -36,6 +42,23 @@ def add_parser(sub) -> None:
                    help="greedy answer tokens per self-study prompt (0: prompts only)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+LONG_INPUT = 1024  # tokens from which the trade-off and an estimated time are printed first
+
+
+def _before_start(num: int, config, reference) -> list[str]:
+    """The lines printed before a long compaction: kept entries, estimated time, quality."""
+    from kvlocks.compaction.estimate import estimate_seconds, tradeoff_lines
+
+    t = config.budget(num)
+    prompts = len(reference.self_study) + len(reference.questions)
+    est = estimate_seconds(num, t, max_queries=config.max_queries, repeat_tokens=reference.repeat_tokens,
+                           repeat_span=reference.repeat_span,
+                           decode_steps=prompts * (reference.self_study_tokens + 15))  # ~15-token prompts
+    return [f"keeping {t} of {num} entries per layer and KV head; estimated time about {est:.0f} s "
+            "(measured scale: one thread of a 2-core x86-64 CPU; a busy machine is slower)",
+            *tradeoff_lines(config.ratio, bool(reference.questions))]
 
 
 def _prefix_ids(text: str, args, tok):
@@ -57,7 +80,7 @@ def run(args) -> int:
                               max_queries=args.max_queries, seed=args.seed,
                               bias_solver=args.bias_solver)
     reference = ReferenceConfig(repeat=not args.no_repeat, self_study_tokens=args.self_study_tokens,
-                                chat=args.chat)
+                                chat=args.chat, questions=tuple(args.question or ()))
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens={args.max_tokens}: must be >= 1")
     text = read_text_file("--input", args.input)
@@ -66,8 +89,12 @@ def run(args) -> int:
     model, tok = load_model(args)
     ids = _prefix_ids(text, args, tok)
     steps = 1 + int(reference.repeat) + len(reference.self_study) + model.config.num_hidden_layers
+    steps += len(reference.questions)
     if not args.json:
         status(f"compacting {ids.shape[1]} tokens with {args.method} (ratio {args.ratio})")
+        if ids.shape[1] >= LONG_INPUT:
+            for line in _before_start(ids.shape[1], config, reference):
+                print(line)
     bar = Progress(steps, "compact", "step", disable=args.json)
     calls = 0
 

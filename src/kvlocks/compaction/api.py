@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import batched
 from ._common import check_matrix, default_scale
 from .bias import fit_bias
 from .config import CompactionConfig
@@ -197,9 +198,13 @@ def _stack(heads: list[CompactedHead], name: str) -> torch.Tensor | None:
 
 
 def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
-                  t: int | None, config: CompactionConfig, scale: float | None = None
-                  ) -> CompactedLayer:
+                  t: int | None, config: CompactionConfig, scale: float | None = None, *,
+                  timings: dict | None = None) -> CompactedLayer:
     """Compact every KV head of one layer with the same budget t (equal per-head lengths).
+
+    ``selection="attention"`` with ``am``, ``fold``, ``drop``, ``drop_refit`` or ``rank1`` takes
+    the batched path of :mod:`.batched` (logits computed once, heads solved together); OMP
+    selection and ``merge_fold`` run :func:`compact_head` per head.
 
     Parameters
     ----------
@@ -212,6 +217,8 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     config : CompactionConfig
     scale : float, optional
         Default ``1/sqrt(D)``.
+    timings : dict, optional
+        Batched path only: seconds per stage are added to it (see :mod:`.batched`).
 
     Returns
     -------
@@ -226,6 +233,17 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
                          f"Q {tuple(queries.shape)} must agree on dim 0 (Hkv)")
     if keys.shape[0] == 0:
         raise ValueError(f"K has no KV heads: shape {tuple(keys.shape)}")
+    if not isinstance(config, CompactionConfig):
+        raise ValueError(f"config must be a CompactionConfig, got {type(config).__name__}")
+    if batched.supports(config):
+        for h in range(keys.shape[0]):
+            try:
+                _check_head(keys[h], values[h], queries[h])
+            except ValueError as exc:
+                raise ValueError(f"KV head {h}: {exc}") from None
+        t = _resolve_budget(t, keys.shape[1], config)
+        out = batched.compact_layer_batched(keys, values, queries, t, config, scale, timings=timings)
+        return CompactedLayer(method=config.method, head_dim_out=out["keys"].shape[-1], **out)
     heads = []
     for h in range(keys.shape[0]):
         try:

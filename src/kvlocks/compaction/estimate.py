@@ -1,0 +1,73 @@
+"""What ``kvlocks compact`` tells a user before it starts: an estimated time and the trade-off.
+
+``estimate_seconds`` is a cost model with constants measured on the bundled model with one
+thread of a shared 2-core x86-64 CPU (``docs/results/2026-12-03-cpu-compaction-profile/``,
+T = 4,096, t = 410, n = 4,096: context pass 45.7 s, repeat spans 22.8 s, self-study 18.1 s,
+fits 54.0 s, other jobs running). Other models scale with their layer count and head
+shapes only roughly, other machines by their speed: the estimate is a scale, not a promise.
+"""
+
+from __future__ import annotations
+
+# seconds per token of a pass over the prefix (a + b * T / 4096), per decode step, per layer
+_PREFILL = (8.0e-3, 3.0e-3)
+_REPEAT = (8.0e-3, 6.0e-3)
+_STEP = (0.06, 0.07)
+_FULL = 17.0 / 30  # one layer's full-cache pass at n = T = 4096
+_FITS = 37.0 / 30  # one layer's bias fit, fold and value refits at n = 4096, t = 410
+
+
+def estimate_seconds(num_tokens: int, kept: int, *, max_queries: int = 4096, repeat_tokens: int = 1536,
+                     repeat_span: int = 256, decode_steps: int = 141, num_layers: int = 30) -> float:
+    """Rough wall time of compacting ``num_tokens`` to ``kept`` entries (module docstring).
+
+    Parameters
+    ----------
+    num_tokens, kept : int
+        T and t.
+    max_queries : int
+        Reference queries per KV head (n).
+    repeat_tokens, repeat_span : int
+        As in :class:`~.passes.ReferenceConfig`.
+    decode_steps : int
+        Single-token forwards of the self-study passes (prompts plus answers).
+    num_layers : int
+
+    Returns
+    -------
+    float, seconds
+    """
+    x = num_tokens / 4096
+    repeat = num_tokens if num_tokens <= repeat_tokens else -(-repeat_tokens // repeat_span) * repeat_span
+    capture = (num_tokens * (_PREFILL[0] + _PREFILL[1] * x) + repeat * (_REPEAT[0] + _REPEAT[1] * x)
+               + decode_steps * (_STEP[0] + _STEP[1] * x))
+    n = min(max_queries, 3 * (num_tokens + repeat) + decode_steps * 3) / 4096
+    fits = num_layers * (_FULL * n * x + _FITS * n * (kept / 410) ** 2 + 0.05)
+    return capture + fits
+
+
+# Answer retention of `fold` with the default reference queries on the bundled model's 2K
+# retrieval records that full attention over the original text answers (passkey, niah_multikey,
+# niah_single_noise x2, niah_single_text; one H200 run, fp32; docs/compaction.md, "Answer
+# retention"): ratio -> (answers kept, records).
+RETENTION: dict[float, tuple[int, int]] = {0.5: (2, 5), 0.25: (1, 5), 0.1: (0, 5), 0.05: (1, 5)}
+DEFAULT_RATIO = 0.25
+RATIO_HELP = ("No measured ratio up to 0.5 keeps planted facts (needles) reliably with the default "
+              "reference queries on the bundled model: pass the questions you will ask (--question); "
+              "docs/compaction.md, 'Answer retention'.")
+
+
+def tradeoff_lines(ratio: float, with_questions: bool) -> list[str]:
+    """What the measured retention says about ``ratio`` (the nearest measured ratio)."""
+    near = min(RETENTION, key=lambda r: abs(r - ratio))
+    kept, n = RETENTION[near]
+    lines = [f"measured quality near ratio {near:g} (bundled model, 2K-token retrieval records that full "
+             f"attention answers): {kept} of {n} answers kept with the default reference queries"]
+    if with_questions:
+        lines.append("  with a question added (--question), its answer matched full attention's at ratio "
+                     "0.25 on one of two measured documents")
+    else:
+        lines.append("  planted facts (numbers, keys) are often lost: pass the questions you will ask "
+                     "with --question (at ratio 0.25 its answer matched full attention's on one of two "
+                     "measured documents)")
+    return lines

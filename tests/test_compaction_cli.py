@@ -1,0 +1,54 @@
+"""`kvlocks compact`: --question joins the reference queries; the lines printed before a long input."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+from safetensors import safe_open
+
+from kvlocks.compaction.config import CompactionConfig
+from kvlocks.compaction.estimate import DEFAULT_RATIO, RETENTION, estimate_seconds, tradeoff_lines
+from kvlocks.compaction.passes import ReferenceConfig
+from kvlocks.corpus import natural_units
+
+pytestmark = pytest.mark.model
+
+
+def test_question_is_recorded_in_the_cache_file(tmp_path):
+    from kvlocks.cli import main
+
+    text = tmp_path / "doc.txt"
+    text.write_text("".join(natural_units()[:12]))
+    out = tmp_path / "cache.safetensors"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["compact", "--input", str(text), "--out", str(out), "--max-tokens", "64",
+                   "--max-queries", "128", "--self-study-tokens", "1", "--no-repeat",
+                   "--question", "What is the text about?", "--json"])
+    assert rc == 0, buf.getvalue()
+    report = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert report["config"]["ratio"] == DEFAULT_RATIO and report["t"] == round(DEFAULT_RATIO * 64)
+    with safe_open(str(out), framework="pt") as f:
+        ref = json.loads(f.metadata()["reference_config"])
+    assert ref["questions"] == ["What is the text about?"]
+
+
+def test_lines_before_a_long_input_state_time_and_tradeoff():
+    from kvlocks.commands.compact import _before_start
+
+    lines = _before_start(4096, CompactionConfig(ratio=0.1), ReferenceConfig())
+    assert lines[0].startswith("keeping 410 of 4096 entries") and "estimated time about" in lines[0]
+    kept, n = RETENTION[0.1]
+    assert f"{kept} of {n} answers kept" in lines[1] and "--question" in lines[2]
+    assert "ratio 0.25" in tradeoff_lines(0.3, True)[1] and "0.25" in tradeoff_lines(0.3, True)[0]
+
+
+def test_estimate_grows_with_the_prefix_and_the_budget():
+    a, b = estimate_seconds(2048, 205), estimate_seconds(4096, 410)
+    assert 0 < a < b and estimate_seconds(4096, 1024) > b
+    # the repeat spans cap the repeat pass: doubling T past repeat_tokens adds no repeat tokens
+    short = estimate_seconds(8192, 819, repeat_tokens=1536) - estimate_seconds(8192, 819, repeat_tokens=8192)
+    assert short < 0
