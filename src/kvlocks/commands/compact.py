@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     from kvlocks.compaction.estimate import DEFAULT_RATIO, RATIO_HELP
 
     p.add_argument("--ratio", type=float, default=DEFAULT_RATIO,
-                   help=f"fraction of keys kept per KV head, in (0, 1] (default {DEFAULT_RATIO}). {RATIO_HELP}")
+                   help=f"fraction of keys kept per KV head, in (0, 1]. {RATIO_HELP} (default: {DEFAULT_RATIO})")
     p.add_argument("--question", action="append", metavar="TEXT",
                    help="a question the compacted prefix will be asked (repeatable): its queries, and those "
                         "of the model's answer to it, join the reference queries, so the keys it needs are kept")

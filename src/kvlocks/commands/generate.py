@@ -20,10 +20,11 @@ TEMPERATURE = 0.7
 
 def add_parser(sub) -> None:
     from kvlocks.config import BASIS_BITS, COMBINE_RULES
+    from kvlocks.selection.rerank import RERANK_METHOD
     from kvlocks.selection.selectors import selector_names
 
     # kvlocks.integrations.hf.method_names(), without importing transformers before the checks
-    methods = ("full", *selector_names())
+    methods = ("full", RERANK_METHOD, *selector_names())
     p = sub.add_parser("generate", help="generate with a LOCKS cache and report bytes read")
     add_model_args(p, model_help="; with --cache: the model the file was made for")
     p.add_argument("--method", default=None, choices=methods,

@@ -33,13 +33,12 @@ from kvlocks.config import LocksConfig
 from kvlocks.integrations.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
 from kvlocks.positions import position_limit
+from kvlocks.selection.rerank import DEFAULT_RERANK, RERANK_METHOD
 from kvlocks.plan import BACKENDS, resolve_backend
 from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
 ATTN_NAME = "kvlocks"
-RERANK_METHOD = "locks_rerank"  # LOCKS with the exact re-rank (LocksConfig.rerank, DEFAULT_RERANK when 0)
-DEFAULT_RERANK = 4
 METHODS = ("full", RERANK_METHOD)  # plus every registered selector name, see method_names()
 
 

@@ -22,6 +22,8 @@ from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group
 
 NEG_INF = float("-inf")
+RERANK_METHOD = "locks_rerank"  # the method name of LOCKS with the re-rank (LocksCache, the CLI, eval)
+DEFAULT_RERANK = 4  # its candidate multiple when the configuration sets none
 
 
 def candidates(pick: torch.Tensor, count: int) -> torch.Tensor:
