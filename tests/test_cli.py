@@ -76,8 +76,20 @@ def _bad_cases(tmp):
     gpt2 = tmp / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text('{"model_type": "gpt2"}')
+    bad_json = tmp / "bad.json"
+    bad_json.write_text('[{"role": "user", "content": "hi"')
+    assistant_last = tmp / "assistant_last.json"
+    assistant_last.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]))
+    no_content = tmp / "no_content.json"
+    no_content.write_text(json.dumps({"messages": [{"role": "user"}]}))
     g = ["generate", "--prompt", "x"]
     return [
+        (["generate", "--chat", str(bad_json)], "not valid JSON"),
+        (["generate", "--chat", str(assistant_last)], "the last message must be a non-empty user message"),
+        (["generate", "--chat", str(no_content)], "message 0 must be"),
+        (["generate", "--chat", str(assistant_last), "--raw"], "--chat is rendered with the chat template"),
+        (["generate", "--chat", str(tmp / "missing.json")], "no such file"),
+        (g + ["--method", "full,locks", "--cache", str(_cache_file(tmp / "f.safetensors"))], "drop --cache"),
         (g + ["--cache", str(tmp / "missing.safetensors")], "no such file"),
         (g + ["--cache", str(junk)], "not a readable safetensors file"),
         (g + ["--cache", str(other)], "format=None"),
@@ -140,7 +152,9 @@ def test_a_bad_argument_is_reported_without_importing_transformers():
 def test_argparse_refuses_bad_choices_at_once(no_model, capsys):
     for argv, message in ((["generate", "--prompt", "x", "--basis-bits", "3"], "--basis-bits: invalid choice"),
                           (["generate", "--prompt", "x", "--combine", "avg"], "--combine: invalid choice"),
-                          (["generate", "--prompt", "x", "--method", "lock"], "--method: invalid choice")):
+                          (["generate", "--prompt", "x", "--method", "lock"], "--method: invalid choice"),
+                          (["generate", "--prompt", "x", "--method", "full,lock"], "--method: invalid choice"),
+                          (["generate", "--prompt", "x", "--method", "full,full"], "--method: invalid choice")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -374,3 +388,27 @@ def test_the_test_command_shows_counts_per_file():
     assert res.returncode == 0, res.stdout[-2000:]
     assert re.search(r"^tests/test_api_errors\.py \.+ +\[ *6/6\]$", res.stdout, re.M), res.stdout
     assert re.search(r"^tests/test_api_errors\.py +6 passed +0 failed +0 skipped +[\d.]+ s$", res.stdout, re.M), res.stdout
+
+
+@pytest.mark.model
+def test_generate_several_methods_from_one_prefill_with_chat_and_answer_prefix(tmp_path, capsys):
+    """--method full,locks,oracle on a --chat file: at a budget covering the prompt every method
+    gives full's answer, and full's equals a one-method run; at a small budget a table compares them."""
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"messages": [
+        {"role": "system", "content": "Answer with one word."},
+        {"role": "user", "content": "Tom's kite is red and Ann's boat is green. What colour is Tom's kite?"}]}))
+    args = ["--chat", str(chat), "--answer-prefix", "Tom's kite is", "--max-new-tokens", "3", "--json"]
+    assert main(["generate", "--method", "full,locks,oracle", "--budget", "1024", *args]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    texts = {r["method"]: r["text"] for r in out["methods"]}
+    assert list(texts) == ["full", "locks", "oracle"] and len(set(texts.values())) == 1, texts
+    assert out["answer_prefix"] == "Tom's kite is" and out["methods"][1]["stats"]["read_fraction"] > 1
+    assert main(["generate", "--method", "full", *args]) == 0
+    single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert single["text"] == texts["full"]
+    assert main(["generate", "--method", "full,locks", "--budget", "32", *args[:-1]]) == 0
+    table = capsys.readouterr().out
+    assert "| method | attended / context tokens |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| full |") or line.startswith("| locks |")]
+    assert len(rows) == 2 and "| 100.0 |" in rows[0]

@@ -36,6 +36,7 @@ def test_grid_rows_resume_and_exactness_at_large_budget(model_tok, tmp_path):
     assert big["prompt_tokens"] + 16 <= 384
     for f in ("summary.json", "results.md", "score_vs_budget.png", "kl_vs_budget.png", "depth_heatmap.png"):
         assert (tmp_path / f).exists()
+    assert len(list((tmp_path / "reference").glob("*.pt"))) == 1  # full's answer, kept for later runs
     # resume: nothing is recomputed or duplicated
     run_eval(cfg, tmp_path, model=model, tok=tok, progress=False)
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3

@@ -13,6 +13,15 @@ from kvlocks.commands._common import (
 )
 
 ENGINE_METHODS = ("locks", "dense", "auto")
+ROLES = ("system", "user", "assistant")
+
+
+class MethodList(tuple):
+    """The method names, as argparse ``choices`` that also accept a comma-separated list of them."""
+
+    def __contains__(self, value) -> bool:
+        parts = value.split(",") if isinstance(value, str) else [value]
+        return len(set(parts)) == len(parts) and all(tuple.__contains__(self, p) for p in parts)
 # LocksConfig options of this command and their defaults (None in argparse: "given" is visible)
 LOCKS_DEFAULTS = {"budget": 256, "rank": 8, "basis_bits": 4, "combine": "mean_share"}
 TEMPERATURE = 0.7
@@ -27,9 +36,11 @@ def add_parser(sub) -> None:
     methods = ("full", RERANK_METHOD, *selector_names())
     p = sub.add_parser("generate", help="generate with a LOCKS cache and report bytes read")
     add_model_args(p, model_help="; with --cache: the model the file was made for")
-    p.add_argument("--method", default=None, choices=methods,
-                   help="selector of the Hugging Face path; full: dense attention over every token "
-                        "(default: locks; with an am/rank1 --cache: full)")
+    p.add_argument("--method", default=None, choices=MethodList(methods), metavar="METHOD[,METHOD...]",
+                   help=f"selector of the Hugging Face path, from {', '.join(methods)}; full: dense attention "
+                        "over every token (default: locks; with an am/rank1 --cache: full). Several, "
+                        "comma-separated (full,locks,oracle): every one decodes from one shared prefill of the "
+                        "prompt, and a table shows their answers side by side")
     p.add_argument("--engine", choices=ENGINE_METHODS, default=None,
                    help="greedy decode with the static-cache engine instead (one CUDA graph per step on CUDA; "
                         "locks, dense, or auto: LOCKS from --auto-min-context prompt tokens, dense below)")
@@ -49,6 +60,11 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")
+    src.add_argument("--chat", type=Path, help='JSON file of chat messages, [{"role": "system" | "user" | '
+                     '"assistant", "content": "..."}, ...] or {"messages": [...]}, ending with a user message; '
+                     "rendered with the model's chat template")
+    p.add_argument("--answer-prefix", default=None, help="text the answer starts with, placed after the assistant "
+                   "header (after the prompt with --raw); the model continues it")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -59,6 +75,32 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", type=Path,
                    help="compacted prefix (kvlocks compact --out FILE): the prompt continues after it")
     p.set_defaults(func=run)
+
+
+def _read_messages(args) -> list[dict]:
+    """The chat messages of --prompt, --prompt-file (one user message each) or --chat."""
+    if args.chat is None:
+        prompt = args.prompt if args.prompt is not None else read_text_file("--prompt-file", args.prompt_file)
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        return [{"role": "user", "content": prompt}]
+    if args.raw:
+        raise ValueError("--chat is rendered with the chat template; --raw takes --prompt or --prompt-file")
+    try:
+        data = json.loads(read_text_file("--chat", args.chat))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--chat {args.chat}: not valid JSON ({exc})") from None
+    msgs = data.get("messages") if isinstance(data, dict) else data
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f'--chat {args.chat}: expected a list of messages or {{"messages": [...]}}')
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ROLES \
+                or not isinstance(m["content"], str):
+            raise ValueError(f"--chat {args.chat}: message {i} must be {{\"role\": one of {list(ROLES)}, "
+                             f"\"content\": a string}}, got {m!r:.80}")
+    if msgs[-1]["role"] != "user" or not msgs[-1]["content"].strip():
+        raise ValueError(f"--chat {args.chat}: the last message must be a non-empty user message (the model answers it)")
+    return msgs
 
 
 def _check_options(args) -> None:
@@ -78,6 +120,12 @@ def _check_options(args) -> None:
         raise ValueError("--compile applies to --engine only (the Hugging Face path is not compiled)")
     if args.auto_min_context is not None and args.auto_min_context < 1:
         raise ValueError(f"--auto-min-context={args.auto_min_context}: must be >= 1")
+    if args.method is not None and "," in args.method:
+        conflicts = [name for name, given in (("--engine", args.engine is not None), ("--cache", args.cache is not None))
+                     if given]
+        if conflicts:
+            raise ValueError(f"several --method values decode on the Hugging Face path from a fresh prefill: "
+                             f"drop {', '.join(conflicts)}")
     if args.temperature is not None:
         if not args.sample:
             raise ValueError("--temperature applies to --sample only (greedy decoding has no temperature)")
@@ -135,17 +183,26 @@ def run(args) -> int:
         args.method = args.method or "locks"
     dense = ("--method full" if args.method == "full" else "--engine dense" if args.engine == "dense" else None)
     config = _locks_config(args, dense)
-    prompt = args.prompt if args.prompt is not None else read_text_file("--prompt-file", args.prompt_file)
-    if not prompt.strip():
-        raise ValueError("the prompt is empty")
+    messages = _read_messages(args)
     check_model_args(args)
     model, tok = load_model(args)
     from kvlocks.integrations.hf import LocksCache, cache_kwargs
 
-    if not args.raw and tok.chat_template:
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    if args.chat is not None and not tok.chat_template:
+        raise ValueError(f"--chat {args.chat}: the model {args.model} has no chat template; give --prompt with --raw")
+    if args.raw or not tok.chat_template:
+        prompt = messages[-1]["content"]
+    else:
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt += args.answer_prefix or ""
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
+    if args.sample:
+        gen["temperature"] = TEMPERATURE if args.temperature is None else args.temperature
+    if args.method and "," in args.method:
+        from kvlocks.commands.generate_side import run_side_by_side
+
+        return run_side_by_side(args, model, tok, enc, config, lambda name: _method(name, model, tok, prompt), gen)
     if args.engine is not None:
         return _run_engine(args, model, tok, enc.input_ids, config)
     inputs, prefix = dict(enc), None
@@ -159,9 +216,6 @@ def run(args) -> int:
     else:
         cache = LocksCache(model.config, method=_method(args.method, model, tok, prompt), config=config)
     torch.manual_seed(args.seed)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
-    if args.sample:
-        gen["temperature"] = TEMPERATURE if args.temperature is None else args.temperature
     out = model.generate(**inputs, **gen, **cache_kwargs(model, cache))
     text = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     stats = cache.stats.summary() if hasattr(cache, "stats") else {}
@@ -215,9 +269,11 @@ def _run_engine(args, model, tok, ids, config) -> int:
 def _method(name: str, model, tok, prompt: str):
     """A selector name, or the selector's own ``prepare(model, tok, prompt)`` result for selectors
     that must be fitted before a run (Loki's calibration on other text than the prompt)."""
-    if name == "full":
-        return name
+    from kvlocks.selection.rerank import RERANK_METHOD
     from kvlocks.selection.selectors import get_selector
+
+    if name in ("full", RERANK_METHOD):  # the cache's own method names, not registered selectors
+        return name
 
     selector = get_selector(name)
     prepare = getattr(selector, "prepare", None)

@@ -12,10 +12,12 @@ transformers' SDPA unchanged. Nothing is registered at import time: :func:`regis
 
 Backends: on CUDA tensors the ``locks`` selector with a configuration the kernels support
 (:func:`kernel_path`: :func:`kvlocks.kernels_support.kernel_support`) runs the Triton kernels
-(summary build, scoring, combine, selection, paged attention); everything else, and every CPU
-tensor, runs the PyTorch references. ``LocksCache(..., backend="torch" | "triton")`` forces one
-(tests run ``"triton"`` on the CPU through ``TRITON_INTERPRET=1``). Left-padded batches
-(a token mask) always take the references: the kernels' paged layout has no padding.
+(summary build, scoring, combine, selection, paged attention); on CPU tensors the decode step
+runs :mod:`kvlocks.integrations.hf_cpu` (the references' pages and attention in fewer, larger
+operations); everything else runs the PyTorch references. ``LocksCache(..., backend="torch" |
+"triton")`` forces the references or the kernels (tests run ``"triton"`` on the CPU through
+``TRITON_INTERPRET=1``). Left-padded batches (a token mask) always take the references: the
+kernels' paged layout and the CPU path have no padding.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvlocks._checks import check_finite
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
+from kvlocks.integrations.hf_cpu import ScoringBuffers, cpu_decode
 from kvlocks.integrations.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
 from kvlocks.positions import position_limit
@@ -65,6 +68,15 @@ class _LayerStore(PagedLayerStore):
     def __init__(self, config: LocksConfig, *, build: bool, owner: "LocksCache") -> None:
         super().__init__(config, build=build)
         self.owner = owner
+        self.scoring = ScoringBuffers()  # the CPU path's dequantized summaries (hf_cpu)
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        self.scoring = ScoringBuffers()
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        super().index_batch(index)
+        self.scoring = ScoringBuffers()
 
     def _build_new_pages(self) -> None:
         if not self.owner.uses_kernels(self._k):
@@ -113,7 +125,7 @@ class LocksLayer(DynamicLayer):
         if limit is not None and self.store.length + key_states.shape[-2] > limit:
             raise ValueError(f"the context ({self.store.length + key_states.shape[-2]} tokens) exceeds the model's "
                              f"{limit} positions (max_position_embeddings): shorten the prompt or generate fewer "
-                             "tokens (kvlocks generate --truncate left|right cuts the prompt)")
+                             "tokens (kvlocks.positions.check_context cuts a prompt on the side you name)")
         self.store.append(key_states, value_states)
         keys, values = self.store.keys, self.store.values
         keys._kvlocks_layer = self  # lets the attention function find this layer, no global state
@@ -161,6 +173,10 @@ class LocksLayer(DynamicLayer):
             self.owner.record(self.layer_idx, key, min(self.owner.config.pages_per_step,
                                                        -(-key.shape[2] // self.owner.config.page_size)))
             return out.reshape(b, hq, d).unsqueeze(1)
+        if token_mask is None and self.owner.backend is None and key.device.type == "cpu":
+            out = cpu_decode(self, q, key, value, scaling)
+            if out is not None:
+                return out.reshape(b, hq, d).unsqueeze(1)
         view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling,
                          layer=self.layer_idx)
         pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K] ([B, Hkv, G, K] per head)
@@ -247,8 +263,9 @@ class LocksCache(Cache):
         ``"locks_rerank"`` (``locks`` with the exact re-rank: ``config.rerank``, or 4 when it is 0) or a
         selector instance (e.g. ``LokiSelector(calibration)``, ``QuestSelector(bits=8)``)
     config : LocksConfig
-    backend : ``"torch"``, ``"triton"`` or None (Triton for CUDA tensors when :func:`kernel_path`
-        holds, the references otherwise)
+    backend : ``"torch"`` (the references), ``"triton"`` or None (Triton for CUDA tensors when
+        :func:`kernel_path` holds, :mod:`kvlocks.integrations.hf_cpu` for CPU tensors, the
+        references otherwise)
     """
 
     def __init__(self, model_config, *, method: "str | Selector" = "locks", config: LocksConfig | None = None,
@@ -323,6 +340,8 @@ class LocksCache(Cache):
             sel = hkv * n * d * elem
         elif hasattr(self.selector, "selection_bytes"):  # a baseline with its own resident summary
             sel = hkv * self.selector.selection_bytes(self.config, d, elem, n // s)
+        elif self.layers[layer].store.summaries is None:  # no full page yet: nothing to score
+            sel = 0.0
         else:
             payload, scales = self.layers[layer].store.summaries.bytes_per_page()
             sel = hkv * (n // s) * (payload + scales)

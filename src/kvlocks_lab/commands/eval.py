@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from kvlocks_lab import require_extras
@@ -27,28 +26,36 @@ def _csv(kind):
 
 
 def add_parser(sub) -> None:
+    from kvlocks.commands._common import HelpFormatter
     from kvlocks.compaction.config import METHODS as COMPACTIONS
     from kvlocks_lab.eval.suite import EvalConfig, task_names
     from kvlocks.integrations.hf import method_names
 
     d = EvalConfig.__dataclass_fields__
     p = sub.add_parser("eval", help="run the task suite (resumable) and write summary.json, results.md, plots",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", default=d["model"].default)
-    p.add_argument("--tasks", type=_csv(str), default=_joined(d["tasks"].default),
+    p.add_argument("--records", type=Path, default=None,
+                   help="your own records, one JSON object per line (messages or text, question, answer_prefix, "
+                        "answers, scorer: see docs/evaluation.md); replaces --tasks, --lengths, --samples, "
+                        "--seed and --ppl-tokens")
+    p.add_argument("--tasks", type=_csv(str), default=None,
                    help=f"comma-separated tasks from {', '.join(task_names())}; ppl_continuation scores "
-                        "the perplexity of natural-text continuations (see --ppl-tokens)")
-    p.add_argument("--lengths", type=_csv(int), default=_joined(d["lengths"].default), help="target lengths L in tokens")
+                        "the perplexity of natural-text continuations (see --ppl-tokens) "
+                        f"(default: {_joined(d['tasks'].default)})")
+    p.add_argument("--lengths", type=_csv(int), default=None,
+                   help=f"target lengths L in tokens (default: {_joined(d['lengths'].default)})")
     p.add_argument("--budgets", type=_csv(int), default=_joined(d["budgets"].default),
                    help="selector budgets: tokens attended per layer and KV head at a decode step")
     p.add_argument("--methods", type=_csv(str), default=_joined(d["methods"].default),
                    help=METHODS_HELP.format(selectors=", ".join(m for m in method_names() if m != "full"),
                                             compactions=", ".join(COMPACTIONS)))
-    p.add_argument("--samples", type=int, default=d["samples"].default, help="records per task and length")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ppl-tokens", type=int, default=d["ppl_tokens"].default,
+    p.add_argument("--samples", type=int, default=None,
+                   help=f"records per task and length (default: {d['samples'].default})")
+    p.add_argument("--seed", type=int, default=None, help="seed of the task records (default: 0)")
+    p.add_argument("--ppl-tokens", type=int, default=None,
                    help="ppl_continuation: continuation tokens N scored after a context of L - N tokens "
-                        "(at most half the shortest length)")
+                        f"(at most half the shortest length; default: {d['ppl_tokens'].default})")
     p.add_argument("--compaction-max-queries", type=int, default=d["compaction_max_queries"].default,
                    help="compaction methods: reference queries per KV head")
     p.add_argument("--compaction-self-study-tokens", type=int, default=d["compaction_self_study_tokens"].default,
@@ -59,16 +66,35 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+TASK_OPTIONS = ("tasks", "lengths", "samples", "seed", "ppl_tokens")
+
+
 def run(args) -> int:
     require_extras()
+    if args.records is not None:
+        return _run_records(args)
     from kvlocks_lab.eval.suite import EvalConfig, run_eval
 
-    cfg = EvalConfig(model=args.model, tasks=args.tasks, lengths=args.lengths, budgets=args.budgets,
-                     methods=args.methods, samples=args.samples, seed=args.seed, dtype=args.dtype,
-                     device=args.device, ppl_tokens=args.ppl_tokens,
-                     compaction_max_queries=args.compaction_max_queries,
-                     compaction_self_study_tokens=args.compaction_self_study_tokens)
+    task_opts = {k: getattr(args, k) for k in TASK_OPTIONS if getattr(args, k) is not None}
+    cfg = EvalConfig(model=args.model, budgets=args.budgets, methods=args.methods, dtype=args.dtype,
+                     device=args.device, compaction_max_queries=args.compaction_max_queries,
+                     compaction_self_study_tokens=args.compaction_self_study_tokens, **task_opts)
     summary = run_eval(cfg, args.out)
+    print((args.out / "results.md").read_text().split("\n\nPer task")[0])
+    print(f"\n{summary['n_rows']} rows in {args.out / 'rows.jsonl'}; summary: {args.out / 'summary.json'}")
+    return 0
+
+
+def _run_records(args) -> int:
+    from kvlocks_lab.eval.records_run import RecordsConfig, run_records
+
+    given = ["--" + k.replace("_", "-") for k in TASK_OPTIONS if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"--records brings its own prompts: drop {', '.join(given)}")
+    cfg = RecordsConfig(records=args.records, model=args.model, budgets=args.budgets, methods=args.methods,
+                        dtype=args.dtype, device=args.device, compaction_max_queries=args.compaction_max_queries,
+                        compaction_self_study_tokens=args.compaction_self_study_tokens)
+    summary = run_records(cfg, args.out)
     print((args.out / "results.md").read_text().split("\n\nPer task")[0])
     print(f"\n{summary['n_rows']} rows in {args.out / 'rows.jsonl'}; summary: {args.out / 'summary.json'}")
     return 0

@@ -101,7 +101,8 @@ def plot_all(rows: list[dict], cells: list[dict], out: Path, *, ppl: list[dict] 
         others = [c for c in cells if c["method"] != "full"]
         _vs_budget(others, out, "score", "score_vs_budget.png", "mean task score", log=False, ref=full_score)
         _vs_budget(others, out, "kl", "kl_vs_budget.png", "KL(full || method)", log=True)
-        _depth_heatmap(rows, cells, out)
+        if any(r.get("depth") is not None for r in rows):  # records with a needle
+            _depth_heatmap(rows, cells, out)
     if ppl:
         _vs_budget([c for c in ppl if c["method"] != "full"], out, "ppl_ratio_vs_full", "ppl_vs_budget.png",
                    "perplexity / full's (geometric mean)", log=False, ref=lambda _length: 1.0)

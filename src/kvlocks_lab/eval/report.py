@@ -121,16 +121,16 @@ def summarize_ppl(rows: list[dict]) -> list[dict]:
     return cells
 
 
-def headline(cells: list[dict]) -> list[dict]:
-    """Per length x method x budget: accuracy averaged over tasks where full >= 30 %, and
-    agreement / KL averaged over all tasks."""
+def headline(cells: list[dict], min_full_score: float = MIN_FULL_SCORE) -> list[dict]:
+    """Per length x method x budget: accuracy averaged over tasks where full scores at least
+    ``min_full_score`` (30 %), and agreement / KL averaged over all tasks."""
     full = {(c["task"], c["length"]): c["score"] for c in cells if c["method"] == "full"}
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for c in cells:
         groups[(c["length"], c["method"], c["budget"])].append(c)
     out = []
     for (length, method, budget), cs in sorted(groups.items(), key=_cell_order):
-        acc = [c["score"] for c in cs if (full.get((c["task"], length)) or 0) >= MIN_FULL_SCORE]
+        acc = [c["score"] for c in cs if (full.get((c["task"], length)) or 0) >= min_full_score]
         mean = lambda f: _mean(cs, f)
         h = {"length": length, "method": method, "budget": budget,
              "accuracy": sum(acc) / len(acc) if acc else None, "tasks_in_accuracy": len(acc),
@@ -188,9 +188,11 @@ def markdown(head: list[dict], cells: list[dict], ppl: list[dict] | None = None)
     return "\n".join(lines) + "\n"
 
 
-def write_report(rows: list[dict], out: Path, *, config: dict, device: str) -> dict:
+def write_report(rows: list[dict], out: Path, *, config: dict, device: str,
+                 min_full_score: float = MIN_FULL_SCORE) -> dict:
+    """summary.json, results.md and the plots of ``rows``; ``min_full_score``: see :func:`headline`."""
     cells = summarize(rows)
-    head = headline(cells)
+    head = headline(cells, min_full_score)
     ppl = summarize_ppl(rows)
     row_commits = sorted({r.get("commit", "unrecorded") for r in rows})
     summary = {"config": config, "commit": git_commit(), "row_commits": row_commits, "device": device,

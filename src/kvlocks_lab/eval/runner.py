@@ -95,17 +95,51 @@ def make_compactions(model, tok, record, prefix_ids, todo, compaction, cache_dir
                              cache_dir=cache_dir, tag=tag, progress=progress)
 
 
+def reference_tag(record) -> str:
+    """File name stem of a record's saved ``full`` reference (unique per record of a run)."""
+    tag = getattr(record, "tag", None)
+    return tag or f"{record.task}-{record.length}-s{record.seed}-i{record.index}"
+
+
+def full_reference(model, shared, decode, record, eos: set[int], reference_dir: Path | None):
+    """``full``'s greedy answer for ``record``: ``{"tokens", "logp" [n, V] or None, "seconds", "stats"}``.
+
+    Read from ``reference_dir`` when an earlier run saved it (``full`` is then not decoded
+    again), else decoded on a fork of the shared prefill and saved there (float32 log-probs:
+    4 * V bytes per answer token, 0.2 MB at a 49K vocabulary).
+    """
+    path = None if reference_dir is None else reference_dir / f"{reference_tag(record)}.pt"
+    if path is not None and path.exists():
+        return torch.load(path, weights_only=True)
+    t1 = time.perf_counter()
+    full = shared.open(parse_method("full"), None)
+    tokens, logps = _answer(model, full.cache, decode(full), record.max_new_tokens, eos)
+    ref = {"tokens": tokens, "logp": torch.stack(logps) if logps else None,
+           "seconds": time.perf_counter() - t1, "stats": full.stats()}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(ref, tmp)
+        tmp.replace(path)  # a run stopped while saving leaves no half-written reference
+    return ref
+
+
 def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConfig, eos: set[int],
                done: dict, write, *, compaction: CompactionSettings | None = None,
-               cache_dir: Path | None = None, progress=None) -> None:
+               cache_dir: Path | None = None, progress=None, scorer=None,
+               reference_dir: Path | None = None) -> None:
     """Decode one record with every method x budget not yet in ``done``; ``write(row)`` each.
 
     ``methods`` are ``--methods`` spellings (:mod:`kvlocks_lab.eval.methods`); ``compaction`` and
     ``cache_dir`` configure compaction methods; ``progress(str)`` is told about slow stages.
+    ``scorer(record, text) -> dict`` gives the score fields (default: the task's
+    :func:`~kvlocks_lab.eval.tasks.score`); ``reference_dir`` keeps ``full``'s answer and
+    log-probs (:func:`full_reference`), so ``full`` is decoded once per record across runs.
     """
     todo = todo_of(record, methods, budgets, done)
     if not todo:
         return
+    scorer = scorer or score
     compactions = make_compactions(model, tok, record, record.context_ids, todo, compaction, cache_dir, progress)
     shared = SharedPrefill(model, record.context_ids, base, budgets, compactions=compactions)
     suffix = record.suffix_ids
@@ -117,15 +151,11 @@ def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConf
                 logits = step(model, opened.cache, t)
         return logits
 
-    t1 = time.perf_counter()
-    full = shared.open(parse_method("full"), None)
-    ref_tokens, ref_logp = _answer(model, full.cache, decode(full), record.max_new_tokens, eos)
-    ref_logp = torch.stack(ref_logp) if ref_logp else None
-    full_s = time.perf_counter() - t1
+    ref = full_reference(model, shared, decode, record, eos, reference_dir)
+    ref_tokens, ref_logp = ref["tokens"], ref["logp"]
     for spec, budget in todo:
         if spec.kind == "full":
-            t1 = time.perf_counter()
-            tokens, opened, kl, top1 = ref_tokens, full, 0.0, 1.0
+            tokens, kl, top1, seconds, stats, fields = ref_tokens, 0.0, 1.0, ref["seconds"], ref["stats"], {}
         else:
             opened = shared.open(spec, budget)  # compactions: fitted here, timed in compact_s
             t1 = time.perf_counter()
@@ -136,17 +166,17 @@ def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConf
             lp = torch.stack(logps[:n])
             kl = float(kl_divergence(ref_logp[:n], lp).mean())
             top1 = float(top1_agreement(ref_logp[:n], lp).float().mean())
+            seconds, stats, fields = time.perf_counter() - t1, opened.stats(), opened.fields
         text = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
         row = {
             "task": record.task, "length": record.length, "index": record.index, "seed": record.seed,
             "depth": record.depth, "method": spec.name, "budget": budget,
             "prompt_tokens": len(record.context_ids) + len(record.suffix_ids),
-            **score(record, text), "prediction": text, "references": record.references,
+            **getattr(record, "row_fields", {}),
+            **scorer(record, text), "prediction": text, "references": record.references,
             "exact_agree": exact_agreement(ref_tokens, tokens), "agree16": prefix_agreement(ref_tokens, tokens, 16),
-            "kl": kl, "top1": top1, "tokens": tokens,
-            "seconds": (time.perf_counter() - t1) + (full_s if spec.kind == "full" else 0.0),
-            "prefill_s": shared.prefill_s, **opened.fields,
-            **{f"stats_{k}": v for k, v in opened.stats().items()},
+            "kl": kl, "top1": top1, "tokens": tokens, "seconds": seconds,
+            "prefill_s": shared.prefill_s, **fields, **{f"stats_{k}": v for k, v in stats.items()},
         }
         write(row)
     if compactions is not None:

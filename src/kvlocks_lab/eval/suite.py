@@ -108,7 +108,9 @@ def _records(cfg: EvalConfig, tok, task: str, length: int):
 def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool = True) -> dict:
     """Run (or resume) the grid into ``out/rows.jsonl``; write summary.json, results.md, plots.
 
-    Compaction fits in progress are kept in ``out/compacted/`` until their record is done.
+    Compaction fits in progress are kept in ``out/compacted/`` until their record is done;
+    ``full``'s answers and log-probs in ``out/reference/`` (so a resumed or extended run does
+    not decode ``full`` again).
     """
     import torch
     from tqdm import tqdm
@@ -154,7 +156,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
                     if task == PPL_TASK:
                         run_continuation(model, tok, record, cfg.methods, cfg.budgets, base, done, write, **kw)
                     else:
-                        run_record(model, tok, record, cfg.methods, cfg.budgets, base, eos, done, write, **kw)
+                        run_record(model, tok, record, cfg.methods, cfg.budgets, base, eos, done, write,
+                                   reference_dir=out / "reference", **kw)
                 gc.collect()  # frees the record's caches before the next one
     bar.close()
     rows = [r for r in done.values() if in_grid(r)]

@@ -100,6 +100,17 @@ def encode(tokenizer, user_context: str, question: str, answer_prefix: str) -> t
     cut = full.rfind(question)
     if cut < 0:
         raise ValueError("the chat template altered the question text; cannot split the prompt")
+    return split_prompt(tokenizer, full, cut)
+
+
+def split_prompt(tokenizer, full: str, cut: int, *, straddle: str = "context") -> tuple[str, str, list[int], list[int]]:
+    """Tokenize the prompt ``full`` once and split its ids at character ``cut``.
+
+    Returns ``(context_text, suffix_text, context_ids, suffix_ids)``. A token straddling ``cut``
+    stays in the context (``straddle="context"``: the split is the first token that starts at or
+    after ``cut``, see :func:`encode`) or goes to the suffix (``"suffix"``: the first token that
+    ends after ``cut``, e.g. the " Question" of a question that follows a space).
+    """
     try:
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
@@ -107,7 +118,10 @@ def encode(tokenizer, user_context: str, question: str, answer_prefix: str) -> t
         sfx_ids = tokenizer(full[cut:], add_special_tokens=False).input_ids
         return full[:cut], full[cut:], list(ctx_ids), list(sfx_ids)
     ids, offsets = list(enc.input_ids), enc.offset_mapping
-    n_ctx = next((i for i, (start, _) in enumerate(offsets) if start >= cut), len(ids))
+    if straddle == "suffix":
+        n_ctx = next((i for i, (_, end) in enumerate(offsets) if end > cut), len(ids))
+    else:
+        n_ctx = next((i for i, (start, _) in enumerate(offsets) if start >= cut), len(ids))
     at = offsets[n_ctx][0] if n_ctx < len(ids) else len(full)
     return full[:at], full[at:], ids[:n_ctx], ids[n_ctx:]
 
