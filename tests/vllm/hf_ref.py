@@ -20,7 +20,8 @@ def run(prompt_ids: list[int], locks_json: str | None, max_tokens: int, dtype: s
 
     model, _ = load("smollm2-135m", dtype=getattr(torch, dtype))
     config = LocksConfig.from_json(locks_json) if locks_json else LocksConfig()
-    cache = hf.LocksCache(model.config, method="locks" if locks_json else "full", config=config)
+    # backend="torch": the references' choose_pages on every step (the spy below records it)
+    cache = hf.LocksCache(model.config, method="locks" if locks_json else "full", config=config, backend="torch")
     records: list[dict] = []
     real = hf.choose_pages
 
@@ -37,6 +38,8 @@ def run(prompt_ids: list[int], locks_json: str | None, max_tokens: int, dtype: s
                                  do_sample=False, **hf.cache_kwargs(model, cache))
     finally:
         hf.choose_pages = real
+    if locks_json and not records:
+        raise AssertionError("the HF reference recorded no selected pages: choose_pages was not called")
     return {"tokens": out[0, len(prompt_ids):].tolist(), "records": records}
 
 
