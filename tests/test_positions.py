@@ -4,6 +4,8 @@ side the caller names)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -71,3 +73,90 @@ def test_engine_refuses_a_prompt_past_the_positions():
     with pytest.raises(ValueError, match=r"prompt \(90 tokens\) plus 8 new tokens exceeds the model's 96"):
         eng.generate(torch.randint(0, 128, (1, 90)), max_new_tokens=8)
     assert eng.generate(torch.randint(0, 128, (1, 90)), max_new_tokens=6).shape == (1, 6)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 128-position llama with the bundled model's tokenizer, saved as a local model directory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kvlocks.models import resolve
+
+    tok = AutoTokenizer.from_pretrained(resolve("smollm2-135m"))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny128")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, tok
+
+
+TEXT = " ".join(f"Item {i} is {i * 7 % 13}." for i in range(60)) + " Question: what is item 3? Answer:"
+
+
+def test_fit_prompt_cuts_the_named_side_of_the_text_and_keeps_the_framing(tiny_dir):
+    from kvlocks.commands.fit import fit_prompt
+
+    _, tok = tiny_dir
+    n = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
+    render = lambda text: "<<" + text + ">> Answer prefix:"  # noqa: E731
+    assert n(render(TEXT)) > 200
+    with pytest.raises(ValueError, match=r"exceeds the model's 128 positions.*--truncate left"):
+        fit_prompt(tok, TEXT, render, 8, 128, None)
+    for side in ("left", "right"):
+        fitted, dropped = fit_prompt(tok, TEXT, render, 8, 128, side)
+        assert fitted.startswith("<<") and fitted.endswith(">> Answer prefix:")
+        body = fitted[2:-len(">> Answer prefix:")]
+        assert (TEXT.endswith(body) if side == "left" else TEXT.startswith(body)) and len(body) < len(TEXT)
+        assert 120 - 8 <= n(fitted) + 8 <= 128 and dropped > 0  # fills the positions, within a few tokens
+    short = "Item 1 is 7."
+    assert fit_prompt(tok, short, render, 8, 128, "left") == (render(short), 0)
+    with pytest.raises(ValueError, match="leaves no room"):
+        fit_prompt(tok, short, render, 8, 100, "left", offset=100)  # a compacted prefix took every position
+
+
+def test_generate_refuses_or_truncates_on_request(tiny_dir, capsys):
+    from kvlocks.cli import main
+
+    path, tok = tiny_dir
+    base = ["generate", "--model", str(path), "--raw", "--prompt", TEXT, "--max-new-tokens", "4", "--json"]
+    assert main(base) == 2
+    assert "exceeds the model's 128 positions" in capsys.readouterr().err
+    for side in ("left", "right"):
+        assert main(base + ["--truncate", side, "--method", "full"]) == 0
+        cap = capsys.readouterr()
+        out = json.loads(cap.out)
+        assert out["prompt_tokens"] + 4 <= 128 and out["prompt_tokens"] > 100
+        assert f"--truncate {side}: dropped" in cap.err
+
+
+def test_compaction_refuses_a_prefix_whose_passes_run_past_the_positions():
+    from kvlocks.compaction.capture import capture_queries
+    from kvlocks.compaction.passes import QueryPass
+
+    model = _tiny(96)
+    ids = torch.randint(0, 128, (1, 80))
+    with pytest.raises(ValueError, match=r"prefix to compact \(100 tokens\)"):
+        capture_queries(model, torch.randint(0, 128, (1, 100)), [], max_queries=8, seed=0)
+    late = QueryPass("self-study", torch.randint(0, 128, (1, 10)), generate=8)  # ends at position 98
+    with pytest.raises(ValueError, match=r"'self-study' reference pass reaches position 98, past the model's 96"):
+        capture_queries(model, ids, [late], max_queries=8, seed=0)
+    fits = QueryPass("self-study", torch.randint(0, 128, (1, 10)), generate=6)
+    cap = capture_queries(model, ids, [fits], max_queries=8, seed=0)
+    assert cap.prefix_len == 80
+
+
+def test_repeat_spans_past_the_positions_run_at_the_last_positions_that_fit():
+    from kvlocks.compaction.capture import _fit_positions
+    from kvlocks.compaction.passes import repeat_pass
+
+    model = _tiny(96)
+    head, prefix = torch.randint(0, 128, (1, 3)), torch.randint(0, 128, (1, 60))
+    p = repeat_pass(head, prefix, tokens=20, span=10)  # 2 spans, at 60 + 0 and 60 + 50 in the whole repeat
+    assert p.segments == ((13, 60), (13, 110))
+    (fitted,) = _fit_positions(model, 60, [p])
+    assert fitted.segments == ((13, 60), (13, 83))  # the second ends at position 96, the last that fits
+    with pytest.raises(ValueError, match="'repeat' reference pass reaches position 103"):
+        _fit_positions(model, 90, [repeat_pass(head, torch.randint(0, 128, (1, 90)), tokens=20, span=10)])

@@ -5,7 +5,7 @@ Usage: python compact_ref.py SPEC.json OUT.json. SPEC: {"dir": folder for the fi
 it with kvlocks (float32 model), save ``dir/NAME.safetensors``; for every question: the HF path's
 greedy tokens with that file (``serve.open_cache`` + ``serve.generate``, dense SDPA), and the same
 with new tokens at position t instead of T (what serving without re-rotation would give). Also
-writes the malformed files the rejection tests use (see :func:`bad_files`).
+writes the hostile files the rejection tests use (see :func:`bad_files`).
 """
 
 from __future__ import annotations
@@ -18,54 +18,12 @@ from pathlib import Path
 import torch
 
 
-def _rewrite(src: Path, dst: Path, edit) -> None:
-    """Copy a cache file with ``edit(meta, tensors)`` applied, and a *correct* new checksum."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from kvlocks.compaction.cachefile import checksum
-
-    with safe_open(str(src), framework="pt", device="cpu") as f:
-        meta = dict(f.metadata())
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    edit(meta, tensors)
-    meta["checksum"] = checksum(meta, tensors)
-    save_file(tensors, str(dst), metadata=meta)
-
-
 def bad_files(src: Path, out: Path) -> dict[str, str]:
-    """Well-formed files that must be refused, and one tampered file."""
-    files = {}
+    """The hostile and broken files of tests/hostile_files.py, and a loadable but biased (am) file."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared case table
+    import hostile_files
 
-    def other_weights(meta, tensors):
-        meta["weights_hash"] = "0" * 64
-
-    def four_heads(meta, tensors):  # a file for a model with 4 KV heads: shapes consistent with it
-        meta["num_kv_heads"] = "4"
-        for k, v in list(tensors.items()):
-            tensors[k] = torch.cat([v, v[:1]], dim=0).contiguous()
-
-    def biased(meta, tensors):  # an "am" file: keeps beta, needs a bias the engine has not
-        cfg = json.loads(meta["compaction_config"])
-        cfg["method"] = meta["method"] = "am"
-        meta["compaction_config"] = json.dumps(cfg)
-        for k in [k for k in tensors if k.endswith(".indices")]:
-            tensors[k.replace(".indices", ".beta")] = torch.zeros(tensors[k].shape, dtype=torch.float32)
-
-    for name, edit in (("other_weights", other_weights), ("four_heads", four_heads), ("biased", biased)):
-        files[name] = str(out / f"bad_{name}.safetensors")
-        _rewrite(src, Path(files[name]), edit)
-    # tampered after saving: header intact, one value changed, old checksum kept
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(src), framework="pt", device="cpu") as f:
-        meta = dict(f.metadata())
-        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
-    tensors["layers.3.values"][0, 0, 0] += 1.0
-    files["tampered"] = str(out / "bad_tampered.safetensors")
-    save_file(tensors, files["tampered"], metadata=meta)
-    return files
+    return hostile_files.write_cases(src, out, {**hostile_files.CASES, **hostile_files.SERVE_ONLY})
 
 
 def run(spec: dict) -> dict:

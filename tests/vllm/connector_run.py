@@ -4,7 +4,8 @@ Usage: python connector_run.py SPEC.json OUT.json. SPEC: {"llm": {LLM kwargs}, "
 "max_tokens": int, "batches": [[request, ...], ...]}; a request is {"id", "file": path, "new": [ids]}
 (prompt and kv_transfer_params from ``compacted_request``, the file named relative to cache_dir),
 optionally with "name" (what to send instead), "prompt" (token ids to send instead) or "raw"
-(build the prompt without the client helper's checks, as a hand-made request would). Each
+(build the prompt without the client helper's checks, as a hand-made request would; from the
+placeholders of "placeholders_from" when the file's own header cannot be read). Each
 batch is one ``generate`` call, in order. Greedy, stopping at EOS. OUT: per request id its tokens
 and finish reason.
 """
@@ -33,7 +34,11 @@ if __name__ == "__main__":
         for r in batch:
             name = r.get("name", Path(r["file"]).name)
             if r.get("raw"):  # as a hand-made (or remote) request would send it: no client-side checks
-                ids = placeholder_ids(read_header(r["file"]), vocab) + r["new"]
+                try:
+                    header = read_header(r["file"])
+                except ValueError:  # a file without a readable header: the placeholders of another
+                    header = read_header(r["placeholders_from"])
+                ids = placeholder_ids(header, vocab) + r["new"]
                 prompt, kv_params = {"prompt_token_ids": ids}, {PARAM: name}
             else:
                 prompt, kv_params = compacted_request(r["file"], r["new"], vocab, name=name)

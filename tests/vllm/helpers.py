@@ -9,6 +9,10 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
+# the connector tests' questions after a compacted document, and their greedy length
+Q1 = " Question: what is the code word for box 12? Answer:"
+Q2 = " Question: which box has the code word maple? Answer:"
+MAX_TOKENS = 24
 WORDS = ["apple", "river", "stone", "cloud", "ember", "maple", "delta", "quartz"]
 
 

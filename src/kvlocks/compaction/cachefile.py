@@ -17,7 +17,8 @@ Metadata (all strings): ``format``, ``format_version``, ``model_id``, ``num_laye
 files, another format or version, missing metadata, a checksum mismatch (tampered tensor or
 metadata), a model other than the one given (layer count, KV heads, head dim, config hash,
 weights hash), missing/extra tensors, wrong shapes or dtypes, NaN/Inf, bad indices, beta
-outside its box.
+outside its box. Names, shapes and dtypes are checked from the header before any tensor data is
+read (:func:`inspect`), so a file declaring huge tensors is refused without allocating them.
 """
 
 from __future__ import annotations
@@ -81,22 +82,38 @@ def save(path: str | Path, prefix: CompactedPrefix) -> Path:
     return path
 
 
-def _read(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+_DTYPES = {"F32": torch.float32, "I64": torch.int64}  # the header's dtype names this format uses
+
+
+def _open(path: Path):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such compacted-cache file")
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata()
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises its own SafetensorError (and OSError)
-        raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): "
-                         f"{exc}") from None
+        raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+
+
+def _header(path: Path, f) -> tuple[dict[str, str], dict[str, tuple[tuple[int, ...], str]]]:
+    """Metadata and each tensor's declared (shape, dtype name), read from the header only."""
+    meta = f.metadata()
     if not meta:
         raise ValueError(f"{path}: safetensors file without metadata; not a {FORMAT} file")
-    return meta, tensors
+    declared = {}
+    for name in f.keys():
+        sl = f.get_slice(name)
+        declared[name] = (tuple(int(n) for n in sl.get_shape()), str(sl.get_dtype()))
+    return meta, declared
 
 
-def _check_meta(path: Path, meta: dict[str, str], tensors) -> dict[str, int]:
+def _tensors(path: Path, f) -> dict[str, torch.Tensor]:
+    try:
+        return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - data that the header promised but the file lacks
+        raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+
+
+def _check_meta(path: Path, meta: dict[str, str]) -> dict[str, int]:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format={meta.get('format')!r}; expected {FORMAT!r}")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -105,9 +122,6 @@ def _check_meta(path: Path, meta: dict[str, str], tensors) -> dict[str, int]:
     missing = [k for k in _REQUIRED if k not in meta]
     if missing:
         raise ValueError(f"{path}: metadata lacks {missing}")
-    if meta["checksum"] != checksum(meta, tensors):
-        raise ValueError(f"{path}: checksum mismatch: the tensors or metadata were changed after "
-                         "saving (or the file is corrupt)")
     try:
         ints = {k: int(meta[k]) for k in _INT_FIELDS}
     except ValueError:
@@ -120,11 +134,34 @@ def _check_meta(path: Path, meta: dict[str, str], tensors) -> dict[str, int]:
     return ints
 
 
-def _expect(path: Path, tensors, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+def _expected(ints: dict[str, int], method: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor a file of this header must hold: name -> (shape, dtype)."""
+    hkv, t, d = ints["num_kv_heads"], ints["t"], ints["head_dim"]
+    dk = d + 1 if method == "rank1" else d
+    out = {}
+    for i in range(ints["num_layers"]):
+        out[f"layers.{i}.keys"] = ((hkv, t, dk), torch.float32)
+        out[f"layers.{i}.values"] = ((hkv, t, d), torch.float32)
+        out[f"layers.{i}.indices"] = ((hkv, t), torch.int64)
+        if method == "am":
+            out[f"layers.{i}.beta"] = ((hkv, t), torch.float32)
+    return out
+
+
+def _check_declared(path: Path, declared, expected) -> None:
+    """Tensor names, shapes and dtypes as the header declares them, before any data is read (a
+    hostile file cannot make the loader allocate what its metadata does not account for)."""
+    if set(declared) != set(expected):
+        missing, extra = sorted(set(expected) - set(declared))[:4], sorted(set(declared) - set(expected))[:4]
+        raise ValueError(f"{path}: wrong tensor set for its header: missing {missing}, unexpected {extra}")
+    for name, (shape, dtype) in expected.items():
+        got_shape, got_dtype = declared[name]
+        if got_shape != shape or _DTYPES.get(got_dtype) != dtype:
+            raise ValueError(f"{path}: tensor {name} has shape {got_shape} {got_dtype}; expected {shape} {dtype}")
+
+
+def _finite(path: Path, tensors, name: str) -> torch.Tensor:
     x = tensors[name]
-    if tuple(x.shape) != shape or x.dtype != dtype:
-        raise ValueError(f"{path}: tensor {name} has shape {tuple(x.shape)} {x.dtype}; expected "
-                         f"{shape} {dtype}")
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{path}: tensor {name} contains {int((~torch.isfinite(x)).sum())} "
                          "NaN/Inf values")
@@ -132,19 +169,49 @@ def _expect(path: Path, tensors, name: str, shape: tuple, dtype: torch.dtype) ->
 
 
 def _layer(path: Path, tensors, i: int, ints: dict[str, int], method: str, cfg: CompactionConfig):
-    hkv, t, d, num = ints["num_kv_heads"], ints["t"], ints["head_dim"], ints["T"]
-    dk = d + 1 if method == "rank1" else d
-    k = _expect(path, tensors, f"layers.{i}.keys", (hkv, t, dk), torch.float32)
-    v = _expect(path, tensors, f"layers.{i}.values", (hkv, t, d), torch.float32)
-    idx = _expect(path, tensors, f"layers.{i}.indices", (hkv, t), torch.int64)
-    if int(idx.min()) < 0 or int(idx.max()) >= num or (t > 1 and not bool((idx.diff(dim=1) > 0).all())):
+    num = ints["T"]
+    k = _finite(path, tensors, f"layers.{i}.keys")
+    v = _finite(path, tensors, f"layers.{i}.values")
+    idx = tensors[f"layers.{i}.indices"]
+    if int(idx.min()) < 0 or int(idx.max()) >= num or (idx.shape[1] > 1 and not bool((idx.diff(dim=1) > 0).all())):
         raise ValueError(f"{path}: layers.{i}.indices must be strictly ascending positions in "
                          f"[0, T={num})")
-    beta = _expect(path, tensors, f"layers.{i}.beta", (hkv, t), torch.float32) if method == "am" else None
+    beta = _finite(path, tensors, f"layers.{i}.beta") if method == "am" else None
     bias = beta if beta is not None else (k[..., -1] if method == "rank1" else None)
     if bias is not None and not bool(((bias >= cfg.beta_min - 1e-4) & (bias <= cfg.beta_max + 1e-4)).all()):
         raise ValueError(f"{path}: layer {i} beta outside [{cfg.beta_min}, {cfg.beta_max}]")
     return k, v, beta, idx
+
+
+def _inspect(path: Path, f, model_check=None) -> tuple[dict[str, str], dict[str, int], CompactionConfig, ModelInfo]:
+    meta, declared = _header(path, f)
+    ints = _check_meta(path, meta)
+    method = meta["method"]
+    try:
+        cfg = CompactionConfig.from_json(meta["compaction_config"])
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: bad compaction_config: {exc}") from None
+    if cfg.method != method:
+        raise ValueError(f"{path}: method={method!r} but compaction_config says {cfg.method!r}")
+    info = ModelInfo(model_id=meta["model_id"], num_layers=ints["num_layers"],
+                     num_q_heads=ints["num_q_heads"], num_kv_heads=ints["num_kv_heads"],
+                     head_dim=ints["head_dim"], config_hash=meta["config_hash"],
+                     weights_hash=meta["weights_hash"])
+    if model_check is not None:  # "made for another model" says more than the shapes that follow from it
+        model_check(info)
+    _check_declared(path, declared, _expected(ints, method))
+    return meta, ints, cfg, info
+
+
+def inspect(path: str | Path, model_check=None) -> tuple[dict[str, str], CompactionConfig, ModelInfo]:
+    """Validate a file's header without reading its tensor data: format, metadata, and every
+    tensor's name, shape and dtype as declared. Returns (metadata, compaction config, model info).
+    ``model_check(info)``, if given, runs before the shape checks (and raises for another model).
+    The checksum and the values (NaN/Inf, indices, beta) are checked by :func:`load`."""
+    path = Path(path)
+    with _open(path) as f:
+        meta, _, cfg, info = _inspect(path, f, model_check)
+    return meta, cfg, info
 
 
 def load(path: str | Path, model=None) -> CompactedPrefix:
@@ -161,27 +228,14 @@ def load(path: str | Path, model=None) -> CompactedPrefix:
     CompactedPrefix (tensors float32 / int64 on CPU)
     """
     path = Path(path)
-    meta, tensors = _read(path)
-    ints = _check_meta(path, meta, tensors)
+    with _open(path) as f:
+        check = None if model is None else (lambda info: check_model(info, model, where=str(path)))
+        meta, ints, cfg, info = _inspect(path, f, check)
+        tensors = _tensors(path, f)
+    if meta["checksum"] != checksum(meta, tensors):
+        raise ValueError(f"{path}: checksum mismatch: the tensors or metadata were changed after "
+                         "saving (or the file is corrupt)")
     method = meta["method"]
-    try:
-        cfg = CompactionConfig.from_json(meta["compaction_config"])
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: bad compaction_config: {exc}") from None
-    if cfg.method != method:
-        raise ValueError(f"{path}: method={method!r} but compaction_config says {cfg.method!r}")
-    info = ModelInfo(model_id=meta["model_id"], num_layers=ints["num_layers"],
-                     num_q_heads=ints["num_q_heads"], num_kv_heads=ints["num_kv_heads"],
-                     head_dim=ints["head_dim"], config_hash=meta["config_hash"],
-                     weights_hash=meta["weights_hash"])
-    if model is not None:
-        check_model(info, model, where=str(path))
-    names = {f"layers.{i}.{p}" for i in range(info.num_layers)
-             for p in ("keys", "values", "indices") + (("beta",) if method == "am" else ())}
-    if set(tensors) != names:
-        missing, extra = sorted(names - set(tensors))[:4], sorted(set(tensors) - names)[:4]
-        raise ValueError(f"{path}: wrong tensor set for a {method!r} cache with "
-                         f"{info.num_layers} layers: missing {missing}, unexpected {extra}")
     layers = [_layer(path, tensors, i, ints, method, cfg) for i in range(info.num_layers)]
     try:
         seconds = float(meta["compact_seconds"])

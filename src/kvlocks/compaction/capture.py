@@ -29,105 +29,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from . import attention
+from . import attention, capture_batch
 from .passes import QueryPass
+from .recorder import QUESTION_PREFIX, QueryRecorder, _rows, is_question, pool  # noqa: F401 (re-exported)
 from kvlocks.integrations.hf import cache_kwargs
 
 logger = logging.getLogger(__name__)
-
-def _rows(n: int, cap: int, seed: int) -> torch.Tensor | None:
-    """Sorted random subset of ``cap`` of ``n`` rows (None: keep all)."""
-    if n <= cap:
-        return None
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(n, generator=gen)[:cap].sort().values
-
-
-class QueryRecorder:
-    """Collects pooled post-RoPE queries per layer, capped per pass (module docstring).
-
-    Each pass is announced with its token count, so its ``cap`` rows per head are drawn
-    uniformly up front and only those rows are kept as chunks arrive (memory stays at
-    ``cap`` rows per layer and pass, however long the pass).
-
-    Parameters
-    ----------
-    num_q_heads, num_kv_heads : int
-        Hq and Hkv of the model (G = Hq / Hkv query rows per token and KV head).
-    cap : int
-        Rows kept per KV head and pass, and in the final pool.
-    seed : int
-    """
-
-    def __init__(self, num_q_heads: int, num_kv_heads: int, cap: int, seed: int) -> None:
-        self.hkv, self.group, self.cap, self.seed = num_kv_heads, num_q_heads // num_kv_heads, cap, seed
-        self.passes: dict[str, dict[int, torch.Tensor]] = {}
-        self.counts: dict[str, int] = {}
-        self.scales: dict[int, float] = {}
-        self.start_pass(0)
-
-    def start_pass(self, num_tokens: int) -> None:
-        """Begin a pass of ``num_tokens`` query tokens: choose its kept rows."""
-        self._keep = _rows(num_tokens * self.group, self.cap, self.seed + 7919 * len(self.passes))
-        self._chunks: dict[int, list[torch.Tensor]] = {}
-        self._pos: dict[int, int] = {}  # tokens seen so far in this pass, per layer
-
-    def add(self, layer: int, query: torch.Tensor, scaling: float | None) -> None:
-        """Record ``query`` [1, Hq, L, D] of ``layer``: rows token-major, [Hkv, L*G, D] float32."""
-        b, hq, length, d = query.shape
-        if b != 1 or hq != self.hkv * self.group:
-            raise ValueError(f"query capture needs batch size 1 and Hq={self.hkv * self.group}, "
-                             f"got queries {tuple(query.shape)}")
-        q = query[0].detach().reshape(self.hkv, self.group, length, d)  # [Hkv, G, L, D]
-        q = q.transpose(1, 2).reshape(self.hkv, length * self.group, d)  # [Hkv, L*G, D]
-        first = self._pos.get(layer, 0) * self.group
-        self._pos[layer] = self._pos.get(layer, 0) + length
-        if self._keep is not None:
-            inside = (self._keep >= first) & (self._keep < first + q.shape[1])
-            q = q[:, (self._keep[inside] - first).to(q.device)]
-        self._chunks.setdefault(layer, []).append(q.to("cpu", torch.float32))
-        self.scales[layer] = float(scaling) if scaling is not None else d ** -0.5
-
-    def finish_pass(self, name: str) -> None:
-        """Close the current pass: its kept rows per layer, [Hkv, m <= cap, D]."""
-        self.passes[name] = {layer: torch.cat(c, dim=1) for layer, c in self._chunks.items()}
-        self.counts[name] = max(self._pos.values(), default=0) * self.group
-        self.start_pass(0)
-
-    def pooled(self, layer: int) -> torch.Tensor:
-        """All passes of ``layer`` pooled and subsampled: [Hkv, n <= cap, D] float32."""
-        names = list(self.passes)
-        return pool([self.passes[n][layer] for n in names], self.cap, self.seed,
-                    keep=[is_question(n) for n in names])
-
-
-QUESTION_PREFIX = "question"
-
-
-def is_question(name: str) -> bool:
-    """Whether pass ``name`` holds user-supplied questions (kept whole by :func:`pool`)."""
-    return name.startswith(QUESTION_PREFIX)
-
-
-def pool(parts: list[torch.Tensor], cap: int, seed: int, keep: list[bool] | None = None) -> torch.Tensor:
-    """Concatenate [Hkv, m_i, D] parts and keep ``cap`` seeded rows (the same for every head).
-
-    Parts flagged in ``keep`` (user-supplied questions) are kept whole, ahead of the cap, and
-    the others are subsampled to fill the rest: a few dozen question rows would otherwise be
-    cut to a few among thousands of context rows. Without flags: the plain seeded subsample.
-    """
-    keep = keep or [False] * len(parts)
-    fixed = [p for p, k in zip(parts, keep) if k]
-    rest = [p for p, k in zip(parts, keep) if not k]
-    head = torch.cat(fixed, dim=1)[:, :cap] if fixed else None  # [Hkv, m, D]
-    room = cap - (0 if head is None else head.shape[1])
-    if not rest or room <= 0:
-        return head
-    q = torch.cat(rest, dim=1)  # [Hkv, sum m_i, D]
-    rows = _rows(q.shape[1], room, seed)
-    q = q if rows is None else q[:, rows]
-    return q if head is None else torch.cat([head, q], dim=1)
-
 
 class _GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends into a buffer grown by half its size instead of by ``torch.cat``.
@@ -282,9 +189,38 @@ def _run_pass(model, cache: RecordingCache, p: QueryPass, chunk: int) -> None:
         position += 1
 
 
+def _fit_positions(model, num: int, passes: list[QueryPass]) -> list[QueryPass]:
+    """The passes placed within the model's positions, or ``ValueError`` before any work.
+
+    A RoPE model records queries at positions it was never trained on past its
+    ``max_position_embeddings``. A repeat span that would end past it (its place in the whole
+    repeat is ``T + L + start``: about 2T) runs at the last positions that fit instead, still after
+    the prefix; a pass that cannot fit at all is refused.
+    """
+    from kvlocks.positions import check_context, position_limit
+
+    limit = position_limit(model.config)
+    check_context(num, 0, limit, what="prefix to compact")
+    if limit is None:
+        return list(passes)
+    out = []
+    for p in passes:
+        if p.segments:
+            p = dataclasses.replace(p, segments=tuple((n, min(pos, max(limit - n, num))) for n, pos in p.segments))
+            end = max(pos + n for n, pos in p.segments)
+        else:
+            end = num + p.ids.shape[1] + p.generate
+        if end > limit:
+            raise ValueError(f"the {p.name!r} reference pass reaches position {end}, past the model's {limit} "
+                             f"positions: compact a shorter prefix (at most about {limit - (end - num)} tokens; "
+                             "kvlocks compact --max-tokens) or shorten the pass")
+        out.append(p)
+    return out
+
+
 def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
                     max_queries: int, seed: int,
-                    progress: Callable[[str], None] | None = None) -> Capture:
+                    progress: Callable[[str], None] | None = None, batch: bool = True) -> Capture:
     """Prefill the prefix and run ``passes`` on top of it, recording every layer's queries.
 
     Parameters
@@ -297,7 +233,10 @@ def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
         Cap per KV head, per pass and for the pool; >= 1.
     seed : int
     progress : callable(str), optional
-        Called with each pass's name before it runs.
+        Called with each pass's name before it runs (names joined by " + " for a batch).
+    batch : bool
+        Run consecutive generating passes (self-study, questions) as one batch
+        (:mod:`.capture_batch`; the same rows, to float rounding). Default True.
 
     Returns
     -------
@@ -311,16 +250,27 @@ def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
     recorder = QueryRecorder(text.num_attention_heads, text.num_key_value_heads, max_queries, seed)
     cache = RecordingCache(model.config, recorder)
     num = ids.shape[1]
+    passes = _fit_positions(model, num, passes)
     with attention.using(model):
-        for p in [QueryPass("context", ids)] + list(passes):
-            if progress is not None:
-                progress(p.name)
-            recorder.start_pass(p.ids.shape[1] + p.generate)
-            first = cache.get_seq_length() == 0  # the prefix itself: one causal prefill
-            _run_pass(model, cache, p, p.ids.shape[1] if first else PASS_CHUNK)
-            recorder.finish_pass(p.name)
-            cache.crop(num - cache.get_seq_length())  # back to the T prefix tokens
-            logger.info("captured %s: %d queries per KV head", p.name, recorder.counts[p.name])
+        for group in [[QueryPass("context", ids)]] + capture_batch.groups(passes):
+            # generating passes as one batch, where every cache layer is a plain growing one
+            if len(group) > 1 and batch and all(type(x) is _GrowingLayer for x in cache.layers):
+                if progress is not None:
+                    progress(" + ".join(p.name for p in group))
+                recorder.start_passes([p.ids.shape[1] + p.generate for p in group])
+                capture_batch.run_batch(model, cache, RecordingCache(model.config, recorder), group)
+                recorder.finish_passes([p.name for p in group])
+                logger.info("captured %s together", [p.name for p in group])
+                continue
+            for p in group:
+                if progress is not None:
+                    progress(p.name)
+                recorder.start_pass(p.ids.shape[1] + p.generate)
+                first = cache.get_seq_length() == 0  # the prefix itself: one causal prefill
+                _run_pass(model, cache, p, p.ids.shape[1] if first else PASS_CHUNK)
+                recorder.finish_pass(p.name)
+                cache.crop(num - cache.get_seq_length())  # back to the T prefix tokens
+                logger.info("captured %s: %d queries per KV head", p.name, recorder.counts[p.name])
     layers = range(text.num_hidden_layers)
     # on the CPU, like the queries: the fits run there (a CUDA model's K/V would otherwise meet
     # CPU queries in the solvers)

@@ -84,16 +84,20 @@ def model_info(model, model_id: str | None = None) -> ModelInfo:
 
 
 def check_model(info: ModelInfo, model, where: str = "the compacted prefix") -> None:
-    """Raise ``ValueError`` unless ``model`` is the model ``info`` describes.
+    """Raise ``ValueError`` unless ``model`` is the model ``info`` describes (:func:`check_info`)."""
+    check_info(info, model_info(model), where)
+
+
+def check_info(info: ModelInfo, have: ModelInfo, where: str, what: str = "this model") -> None:
+    """Raise ``ValueError`` unless ``have`` describes the model ``info`` describes.
 
     Layer count, head counts and head dim are compared first (the clearest message), then
     the architecture's config hash and the weights hash.
     """
-    have = model_info(model)
     for field in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads"):
         if getattr(info, field) != getattr(have, field):
             raise ValueError(f"{where} was made for a model with {field}={getattr(info, field)} "
-                             f"({info.model_id!r}); this model has {field}={getattr(have, field)}")
+                             f"({info.model_id!r}); {what} has {field}={getattr(have, field)}")
     if info.config_hash != have.config_hash:
         raise ValueError(f"{where} was made for another model architecture ({info.model_id!r}): "
                          "config hash differs")

@@ -14,8 +14,9 @@ mode), so the prompt names *this* file's content: vLLM's prefix cache, which has
 can then share placeholder blocks only between requests of the same file, where their content is
 identical. :func:`compacted_request` builds both parts.
 
-:func:`read_header` reads the metadata only (cheap, for the scheduler); the worker loads the whole
-file with :func:`kvlocks.compaction.cachefile.load`, which validates everything (never unpickles).
+:func:`read_header` reads the header only (metadata and declared tensor shapes: cheap, for the
+scheduler); the worker loads the whole file with :func:`kvlocks.compaction.cachefile.load`, which
+validates everything (never unpickles).
 :func:`served_model_info` describes the served checkpoint in the file's terms (config hash and
 weights hash, as :func:`kvlocks.compaction.model.model_info` computes them for a transformers
 model) so a file made for another model is refused.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,11 +33,10 @@ from types import SimpleNamespace
 import torch
 from safetensors import safe_open
 
-from kvlocks.compaction.cachefile import FORMAT, FORMAT_VERSION
-from kvlocks.compaction.model import BIAS_METHODS, ModelInfo, model_info
+from kvlocks.compaction import cachefile
+from kvlocks.compaction.model import BIAS_METHODS, ModelInfo, check_info, model_info
 
 PARAM = "kvlocks_cache"  # kv_transfer_params key naming the file
-_INTS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "T", "t")
 
 
 @dataclass(frozen=True)
@@ -57,37 +56,15 @@ class FileHeader:
     model: ModelInfo
 
 
-def read_header(path: str | Path) -> FileHeader:
-    """Read and check a file's metadata; ``ValueError`` (or ``FileNotFoundError``) saying what is wrong."""
+def read_header(path: str | Path, served: ModelInfo | None = None) -> FileHeader:
+    """Read and check a file's header (:func:`kvlocks.compaction.cachefile.inspect`: metadata and
+    declared tensor shapes, no data), against the ``served`` model if given (:func:`check_against`);
+    ``ValueError`` (or ``FileNotFoundError``) saying what is wrong."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such compacted-cache file")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-    except Exception as exc:  # safetensors raises its own SafetensorError
-        raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
-                         f"expected {FORMAT!r} version {FORMAT_VERSION!r}")
-    missing = [k for k in (*_INTS, "checksum", "method", "model_id", "config_hash", "weights_hash") if k not in meta]
-    if missing:
-        raise ValueError(f"{path}: metadata lacks {missing}")
-    try:
-        ints = {k: int(meta[k]) for k in _INTS}
-    except ValueError:
-        raise ValueError(f"{path}: metadata {_INTS} must be integers") from None
-    if min(ints.values()) < 1 or ints["t"] > ints["T"]:
-        raise ValueError(f"{path}: need positive sizes and 1 <= t <= T, got {ints}")
-    try:
-        round_dtype = str(json.loads(meta.get("compaction_config", "{}")).get("round_dtype", ""))
-    except (ValueError, AttributeError):
-        round_dtype = ""
-    info = ModelInfo(model_id=meta["model_id"], num_layers=ints["num_layers"], num_q_heads=ints["num_q_heads"],
-                     num_kv_heads=ints["num_kv_heads"], head_dim=ints["head_dim"],
-                     config_hash=meta["config_hash"], weights_hash=meta["weights_hash"])
-    return FileHeader(path=path, checksum=meta["checksum"], prefix_len=ints["T"], kept=ints["t"],
-                      method=meta["method"], round_dtype=round_dtype, model=info)
+    check = None if served is None else (lambda info: check_against(info, served, str(path)))
+    meta, cfg, info = cachefile.inspect(path, check)
+    return FileHeader(path=path, checksum=meta["checksum"], prefix_len=int(meta["T"]), kept=int(meta["t"]),
+                      method=meta["method"], round_dtype=str(cfg.round_dtype), model=info)
 
 
 def check_servable(header: FileHeader) -> None:
@@ -146,6 +123,27 @@ def compacted_request(path: str | Path, new_token_ids: list[int], vocab_size: in
     return {"prompt_token_ids": ids}, {PARAM: name or str(Path(path).resolve())}
 
 
+def check_request(name, prompt: list[int] | None, cache_dir: str | None, served: ModelInfo,
+                  vocab_size: int) -> FileHeader:
+    """The checks of a request naming a file, before anything is scheduled (the connector's
+    scheduler and :mod:`.http` run them): the name stays in ``cache_dir``, the file's header is
+    valid and made for the ``served`` model, it needs no logit bias, and ``prompt`` (token ids;
+    None: not checked, as for a chat request rendered by the server) is the file's t placeholder
+    ids followed by at least one new token. ``ValueError`` (or ``FileNotFoundError``) says which."""
+    header = read_header(resolve_path(name, cache_dir), served=served)
+    check_servable(header)
+    if prompt is None:
+        return header
+    t = header.kept
+    if len(prompt) <= t:
+        raise ValueError(f"{header.path}: the prompt has {len(prompt)} tokens; it must be the file's "
+                         f"t={t} placeholder ids followed by at least one new token")
+    if list(prompt[:t]) != placeholder_ids(header, vocab_size):
+        raise ValueError(f"{header.path}: the prompt does not start with this file's {t} placeholder ids "
+                         "(kvlocks.integrations.vllm.compacted.compacted_request builds them)")
+    return header
+
+
 def resolve_path(name, cache_dir: str | None) -> Path:
     """The file a request names: under ``cache_dir`` when the connector has one (no escaping it),
     otherwise an absolute path."""
@@ -201,19 +199,9 @@ def served_model_info(hf_config, model_dir: str | Path) -> ModelInfo:
 
 
 def check_against(header_model: ModelInfo, served: ModelInfo, where: str) -> None:
-    """``ValueError`` unless a file's model is the served one (same order and wording as
-    :func:`kvlocks.compaction.model.check_model`: shapes first, then config and weights hashes)."""
-    for field in ("num_layers", "num_kv_heads", "head_dim", "num_q_heads"):
-        if getattr(header_model, field) != getattr(served, field):
-            raise ValueError(f"{where} was made for a model with {field}={getattr(header_model, field)} "
-                             f"({header_model.model_id!r}); the served model has {field}={getattr(served, field)}")
-    if header_model.config_hash != served.config_hash:
-        raise ValueError(f"{where} was made for another model architecture ({header_model.model_id!r}): "
-                         "config hash differs")
-    if header_model.weights_hash != served.weights_hash:
-        raise ValueError(f"{where} was made for a model with other weights ({header_model.model_id!r}): "
-                         "weights hash differs")
+    """``ValueError`` unless a file's model is the served one (:func:`kvlocks.compaction.model.check_info`)."""
+    check_info(header_model, served, where, what="the served model")
 
 
-__all__ = ["PARAM", "FileHeader", "check_against", "check_servable", "compacted_request",
+__all__ = ["PARAM", "FileHeader", "check_against", "check_request", "check_servable", "compacted_request",
            "placeholder_ids", "read_header", "resolve_path", "served_model_info"]

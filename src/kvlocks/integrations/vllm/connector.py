@@ -45,10 +45,9 @@ from kvlocks.integrations.vllm.compacted import (
     PARAM,
     FileHeader,
     check_against,
+    check_request,
     check_servable,
-    placeholder_ids,
     read_header,
-    resolve_path,
     served_model_info,
 )
 from kvlocks.integrations.vllm.rope import key_shifter
@@ -144,16 +143,7 @@ class KvlocksConnector(_Base):
         self._plans[req.request_id] = plan
 
     def _check(self, req: compat.RequestView, name) -> FileHeader:
-        header = read_header(resolve_path(name, self.cache_dir))
-        check_servable(header)
-        check_against(header.model, self.model, str(header.path))
-        t, prompt = header.kept, req.prompt_token_ids
-        if len(prompt) <= t:
-            raise ValueError(f"{header.path}: the prompt has {len(prompt)} tokens; it must be the file's "
-                             f"t={t} placeholder ids followed by at least one new token")
-        if prompt[:t] != placeholder_ids(header, self.served.vocab_size):
-            raise ValueError(f"{header.path}: the prompt does not start with this file's {t} placeholder ids "
-                             "(kvlocks.integrations.vllm.compacted.compacted_request builds them)")
+        header = check_request(name, req.prompt_token_ids, self.cache_dir, self.model, self.served.vocab_size)
         if req.skip_reading_prefix_cache:  # vLLM then ignores any external tokens: nothing can be loaded
             raise ValueError("this request skips reading cached tokens (it asks for prompt logprobs): vLLM "
                              "runs it WITHOUT the compacted prefix, computing the placeholder ids as text; "
