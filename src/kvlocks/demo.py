@@ -48,11 +48,15 @@ def build_document(tokenizer, target_tokens: int = 3800, depth: float = 0.5) -> 
 def encode_task(tokenizer, document: str) -> tuple[list[int], list[int]]:
     """Token ids of (context = document turn, suffix = question + assistant header + prefix)."""
     user = f"Read the document and answer the question.\n\n<document>\n{document}\n</document>\n\n{QUESTION}"
-    full = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                         add_generation_prompt=True) + ANSWER_PREFIX
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        full = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                             add_generation_prompt=True) + ANSWER_PREFIX
+    else:  # a base model: the same text as a plain continuation, after the tokenizer's BOS
+        full = f"{user}\n\n{ANSWER_PREFIX}"
     head = full[: full.index("</document>")]
-    ids = tokenizer(full, add_special_tokens=False).input_ids
-    n_ctx = len(tokenizer(head, add_special_tokens=False).input_ids)
+    ids = tokenizer(full, add_special_tokens=not chat).input_ids
+    n_ctx = len(tokenizer(head, add_special_tokens=not chat).input_ids)
     return ids[:n_ctx], ids[n_ctx:]
 
 

@@ -211,8 +211,11 @@ def bytes_line(stats: dict, *, original: dict | None = None) -> str:
         f"+ K/V {human_bytes(stats['kv_bytes'])}"
     )
     full = f"full {human_bytes(stats['full_bytes'])} ({100 * stats['read_fraction']:.1f}%)"
+    from kvlocks.integrations.stats import layers_line
+
+    kinds = layers_line(stats) if "window" in stats.get("layers", {}) else ""  # a hybrid model's layer kinds
     if original is None:
-        return f"{read} vs {full}"
+        return f"{read} vs {full}" + (f"; {kinds}" if kinds else "")
     return (f"{read} vs {full} over the compacted cache and "
             f"{human_bytes(stats['original_full_bytes'])} ({100 * stats['original_read_fraction']:.1f}%) "
             f"over the original {original['T']}-token prefix")

@@ -64,7 +64,8 @@ def _before_start(num: int, config, reference) -> list[str]:
 def _prefix_ids(text: str, args, tok):
     if args.chat and tok.chat_template:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
-    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids  # [1, T]
+    chat = bool(args.chat and tok.chat_template)  # else plain text, after the tokenizer's BOS if it has one
+    ids = tok(text, return_tensors="pt", add_special_tokens=not chat).input_ids  # [1, T]
     if args.max_tokens is not None:
         ids = ids[:, : args.max_tokens]
     return ids

@@ -14,7 +14,7 @@ from kvlocks.positions import check_context
 
 
 def fit_prompt(tok, text: str, render: Callable[[str], str], new_tokens: int, limit: int | None,
-               truncate: str | None, *, offset: int = 0) -> tuple[str, int]:
+               truncate: str | None, *, offset: int = 0, special: bool = False) -> tuple[str, int]:
     """The rendered prompt that fits, and how many tokens of ``text`` were dropped.
 
     Parameters
@@ -26,9 +26,10 @@ def fit_prompt(tok, text: str, render: Callable[[str], str], new_tokens: int, li
     limit : the model's positions (None: no limit)
     truncate : None (refuse when over), ``"left"`` or ``"right"``
     offset : positions already taken before the prompt (a compacted prefix's T)
+    special : the prompt is tokenized with the tokenizer's special tokens (a BOS) added
     """
     def count(s: str) -> int:
-        return len(tok(s, add_special_tokens=False).input_ids)
+        return len(tok(s, add_special_tokens=special).input_ids)
 
     avail = None if limit is None else limit - offset
     if avail is not None and avail < 1:

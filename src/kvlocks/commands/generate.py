@@ -204,13 +204,15 @@ def run(args) -> int:
     from kvlocks.commands.fit import fit_prompt
     from kvlocks.positions import position_limit
 
+    # no template: the tokenizer's own BOS (base models need it), except after a compacted prefix
+    plain = (args.raw or not tok.chat_template) and header is None
     prompt, dropped = fit_prompt(tok, messages[-1]["content"], render, args.max_new_tokens,
                                  position_limit(model.config), args.truncate,
-                                 offset=int(header["T"]) if header is not None else 0)
+                                 offset=int(header["T"]) if header is not None else 0, special=plain)
     if dropped:
         status(f"--truncate {args.truncate}: dropped {dropped} tokens from the "
                f"{'start' if args.truncate == 'left' else 'end'} of the prompt to fit the model's positions")
-    enc = tok(prompt, return_tensors="pt", add_special_tokens=False).to(model.device)
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=plain).to(model.device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
     if args.sample:
         gen["temperature"] = TEMPERATURE if args.temperature is None else args.temperature

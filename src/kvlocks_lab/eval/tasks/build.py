@@ -6,8 +6,8 @@ Three steps, each a small function here:
    ``(task, seed, index)`` through SHA-256 (never Python's salted ``hash``), so records are
    identical across processes and machines;
 2. layout: :func:`weave` plants needles among filler units at depth fractions, and
-   :func:`encode` renders the chat template, tokenizes it and splits it into context and
-   suffix;
+   :func:`encode` renders the chat template (plain text for a base model, which has none:
+   :func:`plain_prompt`), tokenizes it and splits it into context and suffix;
 3. fitting: :func:`fit` finds the largest number of filler units whose prompt plus the
    generation budget stays within L tokens under the real tokenizer.
 """
@@ -82,8 +82,36 @@ def weave(units: list[str], needles: list[tuple[float, str]]) -> tuple[list[str]
     return pieces, depths
 
 
+def plain_bos(tokenizer) -> str:
+    """The BOS token's text when the tokenizer's default encoding starts with it (Gemma), else "".
+
+    A prompt rendered without a chat template is tokenized with ``add_special_tokens=False``
+    (so that its split is exact); it starts with this text instead, as the default encoding would.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or getattr(tokenizer, "bos_token_id", None) is None:
+        return ""
+    ids = tokenizer("a").input_ids
+    return bos if ids and ids[0] == tokenizer.bos_token_id else ""
+
+
+def plain_prompt(tokenizer, body: str, answer_prefix: str) -> str:
+    """A base model's prompt: ``[BOS] body`` then ``answer_prefix`` on a new paragraph.
+
+    :func:`make_record` leaves the task's preamble (an instruction to an assistant) out of a base
+    model's ``body``: the document, then the question, which names what it asks about. A small
+    base model copies from an instruction above the document: Gemma 3 270M continued "The pass
+    key is" with "hidden somewhere in the long text below" on one of two 1K passkey records with
+    it, and answered 8 of 8 passkey and single-needle records (1K, greedy, fp32) without it.
+    """
+    return f"{plain_bos(tokenizer)}{body}\n\n{answer_prefix}" if answer_prefix else f"{plain_bos(tokenizer)}{body}"
+
+
 def encode(tokenizer, user_context: str, question: str, answer_prefix: str) -> tuple[str, str, list[int], list[int]]:
     """Render the chat template, tokenize it once and split the ids where the question starts.
+
+    A tokenizer without a chat template (a base model) gets the plain-text continuation
+    :func:`plain_prompt` of ``user_context + question`` (no turns, no headers).
 
     Returns ``(context_text, suffix_text, context_ids, suffix_ids)``. The context is the
     template's prefix up to and including ``user_context``; the suffix is ``question`` + end of
@@ -94,6 +122,9 @@ def encode(tokenizer, user_context: str, question: str, answer_prefix: str) -> t
     a merged run of newlines, stays in the context). Tokenizers without offset mappings fall
     back to tokenizing the two texts separately.
     """
+    if not getattr(tokenizer, "chat_template", None):
+        full = plain_prompt(tokenizer, user_context + question, answer_prefix)
+        return split_prompt(tokenizer, full, full.rfind(question))
     messages = [{"role": "user", "content": user_context + question}]
     full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     full += answer_prefix
@@ -169,11 +200,12 @@ def make_record(spec, tokenizer, length: int, index: int, seed: int) -> TaskReco
     rng = record_rng(spec.name, seed, index)
     draft: Draft = spec.draft(rng, record_depth(spec.name, seed, index))
     memo: dict[int, tuple] = {}
+    base = not getattr(tokenizer, "chat_template", None)  # plain text, no preamble (plain_prompt)
 
     def render(n: int) -> tuple:
         if n not in memo:
             text, depths = draft.body(n)
-            user = f"{draft.preamble}\n\n{text.strip()}\n\n"
+            user = f"{text.strip()}\n\n" if base else f"{draft.preamble}\n\n{text.strip()}\n\n"
             memo[n] = (*encode(tokenizer, user, draft.question, draft.answer_prefix), depths)
         return memo[n]
 

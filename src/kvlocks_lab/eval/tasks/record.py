@@ -59,7 +59,8 @@ class TaskRecord:
         Record number within the call and the seed; together with ``task`` they determine
         every random choice (the needles do not depend on ``length``).
     context_ids : list of int, length ``T_ctx``
-        Chat-template prefix, instruction and haystack; prefilled densely.
+        Chat-template prefix, instruction and haystack (a base model: BOS and the haystack);
+        prefilled densely.
     suffix_ids : list of int, length ``T_sfx``
         Question + end of user turn + assistant header + answer prefix; decoded token by token.
     references : list of str

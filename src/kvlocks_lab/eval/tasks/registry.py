@@ -61,7 +61,7 @@ def generate(task: str, tokenizer, length: int, n: int, seed: int = 0) -> list[T
     task : str
         A key of :data:`TASKS`.
     tokenizer : transformers tokenizer
-        The model's own tokenizer, with a chat template; lengths are counted with it.
+        The model's own tokenizer (without a chat template: plain-text prompts); lengths are counted with it.
     length : int
         Target length L: prompt tokens plus ``max_new_tokens`` never exceed it.
     n : int
