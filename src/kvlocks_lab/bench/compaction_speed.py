@@ -12,6 +12,8 @@ every layer, method ``--method`` at ``--ratio``):
 * ``after_whole`` (with ``--whole``): this tree, the repeat pass over the whole prefix
   (``repeat_tokens = T``): what the capture's other changes alone gain. It reaches position
   2T + 12, so T = 4,096 is refused on the bundled model's 8,192 positions;
+* ``after_sequential`` (with ``--sequential``): this tree with the generating passes (self-study,
+  questions) run one after another instead of as one batch (:mod:`kvlocks.compaction.capture_batch`);
 * ``after``: this tree's defaults (the repeat pass in spans, :mod:`kvlocks.compaction.passes`).
 
 Each run records seconds per capture pass and per layer (``after`` runs also per stage, from
@@ -88,14 +90,15 @@ def prose_ids(tok, tokens: int, skip: int = 0) -> torch.Tensor:
     return ids
 
 
-def capture(lib, model, tok, ids, cfg, reference, extra=()):
-    """``lib``'s capture of ``ids`` with ``reference``'s passes (plus ``extra``), seconds per pass."""
+def capture(lib, model, tok, ids, cfg, reference, extra=(), **kw):
+    """``lib``'s capture of ``ids`` with ``reference``'s passes (plus ``extra``), seconds per pass;
+    ``kw`` goes to its ``capture_queries``."""
     cap_mod = importlib.import_module(lib.__name__ + ".capture")
     pass_mod = importlib.import_module(lib.__name__ + ".passes")
     marks: list[tuple[str, float]] = []
     cap = cap_mod.capture_queries(model, ids, pass_mod.reference_passes(tok, ids, reference) + list(extra),
                                   max_queries=cfg.max_queries, seed=cfg.seed,
-                                  progress=lambda name: marks.append((name, time.perf_counter())))
+                                  progress=lambda name: marks.append((name, time.perf_counter())), **kw)
     ends = [m[1] for m in marks[1:]] + [marks[0][1] + cap.seconds]
     return cap, {name: round(end - at, 3) for (name, at), end in zip(marks, ends)}
 
@@ -162,7 +165,10 @@ def run(args) -> dict:
         whole = ReferenceConfig(repeat_tokens=ids.shape[1])
         cap_w, passes_w = capture(after_lib, model, tok, ids, cfg, whole)
         runs["after_whole"] = (cap_w, passes_w, 0.0)
-    compared = [n for n in ("after_whole", "after") if n in runs]
+    if args.sequential:  # the generating passes one after another instead of as one batch
+        cap_s, passes_s = capture(after_lib, model, tok, ids, cfg, ReferenceConfig(), batch=False)
+        runs["after_sequential"] = (cap_s, passes_s, 0.0)
+    compared = [n for n in ("after_whole", "after_sequential", "after") if n in runs]
     before_ref = importlib.import_module(before_lib.__name__ + ".passes").ReferenceConfig()
     cap_b, passes_b = capture(before_lib, model, tok, ids, before_cfg, before_ref)
     runs["before"] = (cap_b, passes_b, 0.0)
@@ -220,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--ratio", type=float, default=0.1)
     p.add_argument("--method", default="fold")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--sequential", action="store_true",
+                   help="also time this tree with the generating passes run one after another (not batched)")
     p.add_argument("--whole", action="store_true",
                    help="also time a repeat pass over the whole prefix (needs 2T + 12 <= the model's positions)")
     args = p.parse_args(argv)
