@@ -22,46 +22,21 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvlocks._config_io import ConfigIO, check_int
-from kvlocks.config import LocksConfig
+from kvlocks_lab.eval.grid import GridSettings
 from kvlocks_lab.eval.records import SCORERS, RecordError, check_record, prepare, read_records
 
 
 @dataclass(frozen=True, kw_only=True)
-class RecordsConfig(ConfigIO):
+class RecordsConfig(GridSettings):
     """One run over a records file (its JSON goes into summary.json). Fields as in
-    :class:`kvlocks_lab.eval.suite.EvalConfig`; ``records`` is the JSONL file's path."""
+    :class:`~kvlocks_lab.eval.grid.GridSettings`; ``records`` is the JSONL file's path."""
 
     records: str
-    model: str = "smollm2-135m"
-    budgets: tuple[int, ...] = (64, 128, 256, 512, 1024)
-    methods: tuple[str, ...] = ("full", "locks", "oracle", "quest")
-    dtype: str = "float32"
-    device: str = "cpu"
-    rank: int = 8
-    basis_bits: int = 4
-    combine: str = "mean_share"
-    compaction_max_queries: int = 4096
-    compaction_self_study_tokens: int = 32
 
     def __post_init__(self) -> None:
-        from kvlocks_lab.eval.methods import parse_methods
-
-        try:
-            specs = parse_methods(self.methods)
-        except ValueError as exc:
-            raise ValueError(f"RecordsConfig.methods: {exc}") from None
-        object.__setattr__(self, "methods", tuple(s.name for s in specs))
+        self._check_methods()
         object.__setattr__(self, "records", str(self.records))
-        if not self.budgets:
-            raise ValueError("RecordsConfig.budgets: at least one budget is required")
-        for b in self.budgets:
-            self.locks_config(b)
-        check_int("RecordsConfig", "compaction_max_queries", self.compaction_max_queries, 1)
-        check_int("RecordsConfig", "compaction_self_study_tokens", self.compaction_self_study_tokens, 0)
-
-    def locks_config(self, budget: int) -> LocksConfig:
-        return LocksConfig(budget=budget, rank=self.rank, basis_bits=self.basis_bits, combine=self.combine)
+        self._check_budgets_and_compaction()
 
     def runs_per_record(self) -> int:
         from kvlocks_lab.eval.methods import parse_methods

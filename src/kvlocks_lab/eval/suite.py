@@ -7,8 +7,8 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvlocks._config_io import ConfigIO, check_int
-from kvlocks.config import LocksConfig
+from kvlocks._config_io import check_int
+from kvlocks_lab.eval.grid import GridSettings
 
 log = logging.getLogger(__name__)
 
@@ -25,45 +25,24 @@ def task_names() -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig(ConfigIO):
-    """The grid of one evaluation run (its JSON goes into summary.json).
-
-    ``methods``: ``full``, selectors (run once per budget) and compactions ``NAME@RATIO`` (run
-    once per record; see :mod:`kvlocks_lab.eval.methods`); spellings are canonicalised.
-    ``ppl_tokens``: continuation tokens N scored per ``ppl_continuation`` record (context
-    P = length - N); at most half the shortest length. ``compaction_max_queries`` and
-    ``compaction_self_study_tokens``: reference queries per KV head, and greedy tokens per
-    self-study prompt, of every compaction method.
+class EvalConfig(GridSettings):
+    """The grid of one evaluation run (its JSON goes into summary.json); shared fields in
+    :class:`~kvlocks_lab.eval.grid.GridSettings`. ``ppl_tokens``: continuation tokens N scored per
+    ``ppl_continuation`` record (context P = length - N); at most half the shortest length.
     """
 
-    model: str = "smollm2-135m"
     tasks: tuple[str, ...] = DEFAULT_TASKS
     lengths: tuple[int, ...] = (2048, 4096, 8192)
-    budgets: tuple[int, ...] = (64, 128, 256, 512, 1024)
-    methods: tuple[str, ...] = ("full", "locks", "oracle", "quest")
     samples: int = 10
     seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    rank: int = 8
-    basis_bits: int = 4
-    combine: str = "mean_share"
     ppl_tokens: int = 128
-    compaction_max_queries: int = 4096
-    compaction_self_study_tokens: int = 32
 
     def __post_init__(self) -> None:
-        from kvlocks_lab.eval.methods import parse_methods
-
         allowed = task_names()
         for t in self.tasks:
             if t not in allowed:
                 raise ValueError(f"EvalConfig.tasks: unknown task {t!r}; allowed {list(allowed)}")
-        try:
-            specs = parse_methods(self.methods)
-        except ValueError as exc:
-            raise ValueError(f"EvalConfig.methods: {exc}") from None
-        object.__setattr__(self, "methods", tuple(s.name for s in specs))  # canonical spellings
+        self._check_methods()
         if not self.lengths:
             raise ValueError("EvalConfig.lengths: at least one length is required")
         for n in self.lengths:
@@ -71,17 +50,9 @@ class EvalConfig(ConfigIO):
                 raise ValueError(f"EvalConfig.lengths: {n} is too short; lengths must be >= 256 tokens")
         if self.samples < 1:
             raise ValueError(f"EvalConfig.samples={self.samples}: must be >= 1")
-        if not self.budgets:
-            raise ValueError("EvalConfig.budgets: at least one budget is required")
-        for b in self.budgets:  # validated by LocksConfig, which names the rule
-            self.locks_config(b)
+        self._check_budgets_and_compaction()
         check_int("EvalConfig", "seed", self.seed, 0)
         check_int("EvalConfig", "ppl_tokens", self.ppl_tokens, 1, min(self.lengths) // 2)
-        check_int("EvalConfig", "compaction_max_queries", self.compaction_max_queries, 1)
-        check_int("EvalConfig", "compaction_self_study_tokens", self.compaction_self_study_tokens, 0)
-
-    def locks_config(self, budget: int) -> LocksConfig:
-        return LocksConfig(budget=budget, rank=self.rank, basis_bits=self.basis_bits, combine=self.combine)
 
     def compaction_settings(self):
         from kvlocks_lab.eval.compacted import CompactionSettings
