@@ -180,3 +180,29 @@ def test_pool_keeps_question_rows_whole():
     assert torch.equal(got[:, 4:], ctx[:, _rows(30, 6, 0)])  # the rest fills the cap
     assert torch.equal(pool([qst], 3, 0, keep=[True]), qst[:, :3])
     assert is_question("question_0") and not is_question("self_study_0")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu/gpu_tests.sh runs it)")
+@pytest.mark.parametrize("method", ["fold", "am", "drop_refit", "rank1"])
+def test_layer_fit_on_cuda_equals_the_cpu_fit(method):
+    """``kvlocks compact --device cuda`` fits every layer on the GPU: same kept keys as the CPU's fit
+    and the same served attention output on held-out queries (float32 rounding apart)."""
+    k, v, q = _layer(h=4, num=400, d=64, n=512, seed=3)
+    held = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(9)) + 0.5
+    cfg = CompactionConfig(method=method, ratio=0.1)
+    cpu = compact_layer(k, v, q, 40, cfg)
+    gpu = compact_layer(k.cuda(), v.cuda(), q.cuda(), 40, cfg)
+    assert gpu.keys.is_cuda
+    same = (gpu.indices.cpu() == cpu.indices).float().mean()
+    assert same >= 0.95, f"{same:.3f} of the kept positions agree"
+    for h in range(4):
+        full, _ = exact_attention(held[h], k[h], v[h])
+        outs = []
+        for layer in (cpu, gpu):
+            keys, vals = layer.keys[h].cpu(), layer.values[h].cpu()
+            bias = None if layer.beta is None else layer.beta[h].cpu()
+            if method == "rank1":
+                keys, bias = keys[:, :-1], keys[:, -1]
+            outs.append(exact_attention(held[h], keys, vals, bias=bias)[0])
+        err = [float((o - full).norm() / full.norm()) for o in outs]
+        assert abs(err[1] - err[0]) <= 0.02 * err[0] + 1e-5, (h, err)

@@ -172,6 +172,14 @@ def _identity_layer(k: torch.Tensor, v: torch.Tensor, method: str):
     return k, v, (zero if method == "am" else None), idx
 
 
+def fit_device(model) -> torch.device:
+    """Where the fit runs: the model's device (a GPU when the model is on one), else the CPU."""
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cpu")
+
+
 def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int | None = None,
                     reference: ReferenceConfig | None = None, model_id: str | None = None,
                     progress: Callable[[str], None] | None = None) -> CompactedPrefix:
@@ -193,6 +201,7 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
     Returns
     -------
     CompactedPrefix
+        On the CPU; the fit itself runs on the model's device (:func:`fit_device`).
     """
     if not isinstance(config, CompactionConfig):
         raise ValueError(f"config must be a CompactionConfig, got {type(config).__name__}")
@@ -201,6 +210,7 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
     t = config.budget(num) if t is None else t
     if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= num:
         raise ValueError(f"t={t!r}: must be an integer with 1 <= t <= T={num}")
+    dev = fit_device(model)
     keys, values, betas, indices = [], [], [], []
     for i, (k, v, q) in enumerate(zip(capture.keys, capture.values, capture.queries)):
         if progress is not None:
@@ -209,10 +219,11 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
             ck, cv, cb, ci = _identity_layer(k, v, config.method)
         else:
             try:
-                out = compact_layer(k.float(), v.float(), q, t, config, scale=capture.scales[i])
+                out = compact_layer(k.to(dev, torch.float32), v.to(dev, torch.float32), q.to(dev), t, config,
+                                    scale=capture.scales[i])
             except ValueError as exc:
                 raise ValueError(f"layer {i}: {exc}") from None
-            ck, cv, cb, ci = out.keys, out.values, out.beta, out.indices
+            ck, cv, cb, ci = (None if x is None else x.cpu() for x in (out.keys, out.values, out.beta, out.indices))
         keys.append(ck)
         values.append(cv)
         betas.append(cb)

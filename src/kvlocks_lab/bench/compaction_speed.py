@@ -1,10 +1,12 @@
-"""Compaction speed and error on the CPU: the pipeline at another commit against this tree's, side by side.
+"""Compaction speed and error: the pipeline at another commit against this tree's, side by side.
 
-``python -m kvlocks_lab.bench.compaction_speed --out DIR --before-rev REV [--tokens 4096]``
+``python -m kvlocks_lab.bench.compaction_speed --out DIR [--before-rev REV] [--tokens 4096]
+[--device cuda --dtype bfloat16]``
 
 ``--before-rev`` names a commit whose ``src/kvlocks/compaction`` is the "before" library; it is
 read with ``git show`` into a temporary package, so both libraries run in one process on the
-same prefix (``--tokens`` tokens of stdlib prose, the bundled model). Two or three runs of what
+same prefix (without it, this tree alone: a machine with no git history, such as the GPU
+machine) (``--tokens`` tokens of stdlib prose, the bundled model). Two or three runs of what
 ``kvlocks compact`` does (capture with the default reference passes, then ``compact_layer`` of
 every layer, method ``--method`` at ``--ratio``):
 
@@ -16,7 +18,9 @@ every layer, method ``--method`` at ``--ratio``):
   questions) run one after another instead of as one batch (:mod:`kvlocks.compaction.capture_batch`);
 * ``after``: this tree's defaults (the repeat pass in spans, :mod:`kvlocks.compaction.passes`).
 
-Each run records seconds per capture pass and per layer (``after`` runs also per stage, from
+The model runs on ``--device`` in ``--dtype``; the captured keys, values and queries are float32
+and every layer's fit runs on the same device (as ``kvlocks compact --device`` does), timed
+after a device synchronisation. Each run records seconds per capture pass and per layer (``after`` runs also per stage, from
 ``compact_layer``'s ``timings``) and the compacted prefix's output error on held-out queries:
 the queries of the ``--heldout-tokens`` tokens of prose that follow the prefix, fed on the full
 prefix cache in the ``after`` capture and kept out of every fit. Per (layer, KV head)
@@ -124,19 +128,51 @@ def head_errors(layer, k_full, v_full, q_eval, scale) -> list[float]:
     return out
 
 
-def compact_run(lib, cap, cfg, t: int, q_eval, stages: bool) -> tuple[list[dict], dict]:
-    """``compact_layer`` of every layer with ``lib``: rows per (layer, head) and stage seconds."""
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _on_cpu(layer):
+    """A CompactedLayer's tensors on the CPU (the error is measured there, in float32)."""
+    import dataclasses
+
+    return dataclasses.replace(layer, **{f.name: getattr(layer, f.name).cpu() for f in dataclasses.fields(layer)
+                                         if isinstance(getattr(layer, f.name), torch.Tensor)})
+
+
+def compact_run(lib, cap, cfg, t: int, q_eval, stages: bool,
+                dev: torch.device = torch.device("cpu")) -> tuple[list[dict], dict]:
+    """``compact_layer`` of every layer with ``lib`` on ``dev``: rows per (layer, head) and stage seconds."""
     rows, timings = [], {}
     for i, (k, v, q, s) in enumerate(zip(cap.keys, cap.values, cap.queries, cap.scales)):
+        k, v, q = k.to(dev, torch.float32), v.to(dev, torch.float32), q.to(dev)
+        _sync(dev)
         start = time.perf_counter()
         kw = {"timings": timings} if stages else {}
-        layer = lib.compact_layer(k.float(), v.float(), q, t, cfg, scale=s, **kw)
+        layer = lib.compact_layer(k, v, q, t, cfg, scale=s, **kw)
+        _sync(dev)
         seconds = time.perf_counter() - start
+        layer, k, v = _on_cpu(layer), k.cpu(), v.cpu()
         errs = head_errors(layer, k, v, q_eval[i], s)
         for h, err in enumerate(errs):
             rows.append({"layer": i, "head": h, "layer_s": round(seconds, 4), "err": float(f"{err:.5g}"),
                          "indices": layer.indices[h].tolist()})
     return rows, {n: round(x, 3) for n, x in timings.items()}
+
+
+def _comparison(runs, indices, summary_runs, compared) -> dict:
+    """Speed-ups over ``before`` and how many kept positions are the same."""
+    same = {name: sum(a == b for a, b in zip(indices[name], indices["before"])) / len(indices["before"])
+            for name in compared}
+    overlap = {name: statistics.fmean(len(set(a) & set(b)) / len(b)
+                                      for a, b in zip(indices[name], indices["before"]))
+               for name in compared}
+    same_kv = all(torch.equal(a, b) for a, b in zip(runs["after"][0].keys, runs["before"][0].keys))
+    return {"same_prefix_kv": same_kv,
+            "speedup_total": {n: round(summary_runs["before"]["total_s"] / summary_runs[n]["total_s"], 2)
+                              for n in compared},
+            "kept_same_as_before": {"heads_identical": same, "mean_overlap": overlap}}
 
 
 def run(args) -> dict:
@@ -148,13 +184,18 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    before_lib = library_at(args.before_rev)
+    before_lib = library_at(args.before_rev) if args.before_rev else None
     load_start = os.getloadavg()
-    model, tok = load(args.model)
+    dev = torch.device(args.device)
+    model, tok = load(args.model, dtype=getattr(torch, args.dtype), device=dev)
     ids = prose_ids(tok, args.tokens)
     heldout = QueryPass("heldout", prose_ids(tok, args.heldout_tokens, skip=args.tokens))
     cfg = after_lib.CompactionConfig(method=args.method, ratio=args.ratio)
-    before_cfg = before_lib.CompactionConfig(method=args.method, ratio=args.ratio)
+    before_cfg = before_lib.CompactionConfig(method=args.method, ratio=args.ratio) if before_lib else None
+    if dev.type == "cuda":  # kernels loaded and the allocator warm before anything is timed
+        warm, _ = capture(after_lib, model, tok, ids[:, :256], cfg, ReferenceConfig(self_study_tokens=2))
+        compact_run(after_lib, warm.only(list(warm.by_pass)), cfg, cfg.budget(256), warm.queries, stages=False,
+                    dev=dev)
     t = cfg.budget(ids.shape[1])
     runs = {}
     cap, passes = capture(after_lib, model, tok, ids, cfg, ReferenceConfig(), extra=[heldout])
@@ -169,15 +210,16 @@ def run(args) -> dict:
         cap_s, passes_s = capture(after_lib, model, tok, ids, cfg, ReferenceConfig(), batch=False)
         runs["after_sequential"] = (cap_s, passes_s, 0.0)
     compared = [n for n in ("after_whole", "after_sequential", "after") if n in runs]
-    before_ref = importlib.import_module(before_lib.__name__ + ".passes").ReferenceConfig()
-    cap_b, passes_b = capture(before_lib, model, tok, ids, before_cfg, before_ref)
-    runs["before"] = (cap_b, passes_b, 0.0)
+    if before_lib is not None:
+        before_ref = importlib.import_module(before_lib.__name__ + ".passes").ReferenceConfig()
+        cap_b, passes_b = capture(before_lib, model, tok, ids, before_cfg, before_ref)
+        runs["before"] = (cap_b, passes_b, 0.0)
     summary_runs, indices = {}, {}
     with open(out / "layers.jsonl", "w") as fh:
-        for name in ("before", *compared):
+        for name in [n for n in ("before", *compared) if n in runs]:
             c, passes_s, extra_s = runs[name]
             lib, ccfg = (before_lib, before_cfg) if name == "before" else (after_lib, cfg)
-            rows, stages = compact_run(lib, c, ccfg, t, q_eval, stages=name != "before")
+            rows, stages = compact_run(lib, c, ccfg, t, q_eval, stages=name != "before", dev=dev)
             capture_s = round(c.seconds - extra_s, 3)
             layers_s = round(sum(r["layer_s"] for r in rows if r["head"] == 0), 3)
             errs = [r["err"] for r in rows]
@@ -189,12 +231,7 @@ def run(args) -> dict:
                 "total_s": round(capture_s + layers_s, 3), "stages_s": stages,
                 "err_median": float(f"{statistics.median(errs):.5g}"),
                 "err_mean": float(f"{statistics.fmean(errs):.5g}")}
-    same = {name: sum(a == b for a, b in zip(indices[name], indices["before"])) / len(indices["before"])
-            for name in compared}
-    overlap = {name: statistics.fmean(len(set(a) & set(b)) / len(b)
-                                      for a, b in zip(indices[name], indices["before"]))
-               for name in compared}
-    same_kv = all(torch.equal(a, b) for a, b in zip(runs["after"][0].keys, cap_b.keys))
+    summary = _comparison(runs, indices, summary_runs, compared) if "before" in runs else {}
     summary = {
         "date": datetime.date.today().isoformat(), "commit": commit(), "src_dirty": _dirty(),
         "before_rev": args.before_rev,
@@ -205,10 +242,8 @@ def run(args) -> dict:
         "reference": json.loads(ReferenceConfig().to_json()),
         "T": ids.shape[1], "t": t, "n": int(cap.queries[0].shape[1]),
         "heldout_queries_per_head": int(q_eval[0].shape[1]), "heldout_pass_s": held_s,
-        "same_prefix_kv": same_kv, "runs": summary_runs,
-        "speedup_total": {n: round(summary_runs["before"]["total_s"] / summary_runs[n]["total_s"], 2)
-                          for n in compared},
-        "kept_same_as_before": {"heads_identical": same, "mean_overlap": overlap},
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": args.dtype,
+        "runs": summary_runs, **summary,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -217,8 +252,11 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--before-rev", required=True,
-                   help="git commit whose src/kvlocks/compaction is the before library")
+    p.add_argument("--before-rev",
+                   help="git commit whose src/kvlocks/compaction is the before library (default: none, "
+                        "this tree alone)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: the model's and the fit's device")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's dtype")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tokens", type=int, default=4096, help="prefix length T")
     p.add_argument("--heldout-tokens", type=int, default=512,
@@ -232,7 +270,7 @@ def main(argv=None) -> int:
                    help="also time a repeat pass over the whole prefix (needs 2T + 12 <= the model's positions)")
     args = p.parse_args(argv)
     s = run(args)
-    print(json.dumps({k: s[k] for k in ("T", "t", "n", "runs", "speedup_total", "kept_same_as_before")},
+    print(json.dumps({k: s[k] for k in ("T", "t", "n", "runs", "speedup_total", "kept_same_as_before") if k in s},
                      indent=1))
     return 0
 

@@ -11,9 +11,9 @@ METHODS_HELP = (
     "({selectors}), each run once per budget; compactions spelled NAME@RATIO with NAME in "
     "{compactions} and RATIO the kept fraction of the context, 0 < RATIO <= 1 (e.g. fold@0.1 keeps "
     "round(0.1 * T) entries per layer and KV head of the T-token context, the prompt before the "
-    "question); run once per record, --budgets do not apply; the fit runs on the CPU even with "
-    "--device cuda and takes minutes per record at 4K+ tokens (saved in OUT/compacted/ until the "
-    "record is done, so runs resume)."
+    "question); run once per record, --budgets do not apply; the fit runs on --device (about a "
+    "minute per record at 4K tokens on a 2-core CPU) and is saved in OUT/compacted/ until the "
+    "record is done, so runs resume."
 )
 
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from collections import defaultdict
@@ -32,13 +33,14 @@ BASELINES = ("drop", "drop_refit", "am", "rank1", "merge_fold")
 
 
 def commit() -> str:
-    """``git rev-parse HEAD`` of the source tree, or ``"unknown"``."""
+    """``git rev-parse HEAD`` of the source tree; where there is no git checkout (the GPU machine
+    receives the tree without history) ``$KVLOCKS_COMMIT``, else ``"unknown"``."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5)
-        return out.stdout.strip() or "unknown"
+                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        out = ""
+    return out or os.environ.get("KVLOCKS_COMMIT") or "unknown"
 
 
 def versions() -> dict:
