@@ -5,7 +5,9 @@ lists], "max_tokens": int, "locks": LocksConfig JSON or null, "batches": [[promp
 (one generate call each; default all at once), "model": path (default: the bundled model)}.
 Greedy, ignoring EOS. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 set by the caller), so the LOCKS backend's debug counters are read here after generating.
-OUT: {"tokens", "counters", "preemptions", "init_s", "gen_s"}.
+OUT: {"tokens", "counters", "preemptions", "preempted_at", "init_s", "gen_s"}; ``preempted_at``: per
+prompt, the number of its output tokens at each of its preemptions (read from vLLM's scheduler,
+whose ``_preempt_request`` is wrapped in this process; vLLM 0.26 and 0.32 name it so).
 """
 
 import json
@@ -22,15 +24,29 @@ if __name__ == "__main__":
 
     if spec.get("locks"):
         enable(LocksConfig.from_json(spec["locks"]))
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    events = []  # (internal request id, output tokens so far) per preemption
+    original = Scheduler._preempt_request
+
+    def _preempt_request(self, request, *args, **kwargs):
+        events.append((request.request_id, len(request.output_token_ids)))
+        return original(self, request, *args, **kwargs)
+
+    Scheduler._preempt_request = _preempt_request
     t0 = time.time()
     llm = LLM(model=spec.get("model") or str(resolve("smollm2-135m")), seed=0, **spec["llm"])
     t1 = time.time()
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
-    outs = []
+    outs, ids = [], {}
     for group in spec.get("batches") or [list(range(len(prompts)))]:
         res = llm.generate([prompts[i] for i in group], params, use_tqdm=False)
         outs += [(i, list(r.outputs[0].token_ids)) for i, r in zip(group, res)]
+        ids.update({r.request_id: i for i, r in zip(group, res)})
+    preempted_at = [[] for _ in prompts]
+    for rid, n in events:  # the engine's id is the request's, or it with a suffix after "-"
+        preempted_at[next(i for ext, i in ids.items() if rid == ext or rid.startswith(ext + "-"))].append(n)
     gen_s = time.time() - t1
     counters = None
     if spec.get("locks"):
@@ -43,4 +59,4 @@ if __name__ == "__main__":
     except Exception:  # noqa: BLE001 - stats disabled (the LLM default) or no prometheus_client
         pass
     json.dump({"tokens": [t for _, t in sorted(outs)], "counters": counters, "preemptions": preemptions,
-               "init_s": t1 - t0, "gen_s": gen_s}, open(sys.argv[2], "w"))
+               "preempted_at": preempted_at, "init_s": t1 - t0, "gen_s": gen_s}, open(sys.argv[2], "w"))

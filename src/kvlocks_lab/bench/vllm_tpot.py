@@ -160,7 +160,7 @@ def _facts() -> dict:
                                          cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         facts["commit"] = None
-    facts["commit"] = facts["commit"] or os.environ.get("KVLOCKS_COMMIT")  # the GPU machine has no git history
+    facts["commit"] = os.environ.get("KVLOCKS_COMMIT") or facts["commit"]  # set where git's state is not the tree's
     import torch
 
     facts["torch"] = torch.__version__

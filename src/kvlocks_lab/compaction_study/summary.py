@@ -33,14 +33,16 @@ BASELINES = ("drop", "drop_refit", "am", "rank1", "merge_fold")
 
 
 def commit() -> str:
-    """``git rev-parse HEAD`` of the source tree; where there is no git checkout (the GPU machine
-    receives the tree without history) ``$KVLOCKS_COMMIT``, else ``"unknown"``."""
+    """``$KVLOCKS_COMMIT`` when set (the GPU machine receives a working tree whose git state, if any,
+    is not its commit), else ``git rev-parse HEAD`` of the source tree, else ``"unknown"``."""
+    if os.environ.get("KVLOCKS_COMMIT"):
+        return os.environ["KVLOCKS_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         out = ""
-    return out or os.environ.get("KVLOCKS_COMMIT") or "unknown"
+    return out or "unknown"
 
 
 def versions() -> dict:
