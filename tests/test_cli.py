@@ -412,3 +412,14 @@ def test_generate_several_methods_from_one_prefill_with_chat_and_answer_prefix(t
     assert "| method | attended / context tokens |" in table
     rows = [line for line in table.splitlines() if line.startswith("| full |") or line.startswith("| locks |")]
     assert len(rows) == 2 and "| 100.0 |" in rows[0]
+
+
+def test_demo_writes_its_document_for_compact_and_generate(tmp_path, capsys):
+    from kvlocks.demo import ANSWER, FACT, QUESTION
+
+    doc = tmp_path / "doc.txt"
+    assert main(["demo", "--write-document", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.count(FACT) == 1 and ANSWER in FACT
+    out = capsys.readouterr().out
+    assert QUESTION in out and "tokens" in out

@@ -49,7 +49,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "(a negative control for tests)", "'1' or '0'", "0", FLAG),
     Variable("KVLOCKS_VLLM_CONNECTOR_TRACE", "(debug) the KV connector appends one JSON line per load and "
              "rejection to this file (unset: no trace)", "a file path", None),
-    Variable("KVLOCKS_COMMIT", "(lab) the commit the benchmarks record in their results (unset: null)",
+    Variable("KVLOCKS_COMMIT", "(lab) the commit the benchmarks and studies record in their results "
+             "(unset: git's HEAD where they read it, else null)",
              "any text", None),
 )}
 

@@ -109,7 +109,7 @@ def read_cache_header(path: Path) -> dict:
     """Format, version, sizes, method and model of a compacted-cache file, from its safetensors
     header only (no tensor is read; :func:`kvlocks.compaction.cachefile.load` checks the rest).
 
-    Returns ``{"T", "t", "method", "model_id"}``.
+    Returns ``{"T", "t", "method", "model_id", "chat"}`` (``chat``: the prefix is a chat user turn).
     """
     from safetensors import safe_open
 
@@ -142,7 +142,19 @@ def read_cache_header(path: Path) -> dict:
         raise ValueError(f"--cache {path}: need 1 <= t <= T, got T={big}, t={small}")
     if meta["method"] not in METHODS:
         raise ValueError(f"--cache {path}: method={meta['method']!r}; allowed {METHODS}")
-    return {"T": big, "t": small, "method": meta["method"], "model_id": meta["model_id"]}
+    return {"T": big, "t": small, "method": meta["method"], "model_id": meta["model_id"],
+            "chat": _made_with_chat(meta.get("reference_config"))}
+
+
+def _made_with_chat(reference_json) -> bool:
+    """Whether the file's prefix is a chat user turn (``kvlocks compact --chat``)."""
+    import json
+
+    try:
+        ref = json.loads(reference_json) if reference_json else {}
+    except ValueError:
+        return False  # cachefile.load rejects such a file with its reason
+    return isinstance(ref, dict) and ref.get("chat") is True
 
 
 class Progress:

@@ -18,7 +18,24 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", type=int, default=256,
                    help="tokens attended per layer and KV head by locks and oracle (a multiple of 16)")
     p.add_argument("--out", type=Path, help="also write the report as JSON here")
+    p.add_argument("--write-document", type=Path, metavar="FILE",
+                   help="only write the demo's document (one planted fact) to FILE and print its question "
+                        "and answer prefix, e.g. to try kvlocks compact and generate --cache on it")
     p.set_defaults(func=run)
+
+
+def _write_document(args) -> int:
+    from kvlocks.demo import ANSWER, ANSWER_PREFIX, QUESTION, build_document
+
+    check_output_path("--write-document", args.write_document)
+    _, tok = load_model(args)
+    text = build_document(tok)
+    args.write_document.parent.mkdir(parents=True, exist_ok=True)
+    args.write_document.write_text(text)
+    print(f"wrote {args.write_document} ({len(tok(text).input_ids)} tokens)")
+    print(f"question: {QUESTION}")
+    print(f"answer prefix: {ANSWER_PREFIX}  (expected answer {ANSWER})")
+    return 0
 
 
 def run(args) -> int:
@@ -26,6 +43,8 @@ def run(args) -> int:
 
     LocksConfig(budget=args.budget)  # checked before the model loads
     check_model_args(args)
+    if args.write_document is not None:
+        return _write_document(args)
     if args.out is not None:
         check_output_path("--out", args.out)
     model, tok = load_model(args)

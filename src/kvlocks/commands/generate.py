@@ -198,6 +198,10 @@ def run(args) -> int:
     def render(text: str) -> str:
         if args.raw or not tok.chat_template:
             return text + (args.answer_prefix or "")
+        if header is not None and header["chat"] and len(messages) == 1:  # the turn after the cached one
+            from kvlocks.chat import next_user_turn
+
+            return next_user_turn(tok, text) + (args.answer_prefix or "")
         msgs = messages[:-1] + [{"role": "user", "content": text}]
         return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + (args.answer_prefix or "")
 

@@ -111,6 +111,14 @@ def _check_head(k, v, q) -> None:
         raise ValueError(f"Q is empty: shape {tuple(q.shape)} has no reference queries")
 
 
+def _check_question(question, dim: int) -> None:
+    if question is None:
+        return
+    check_matrix("question", question, cols=dim)
+    if question.shape[0] == 0:
+        raise ValueError(f"question is empty: shape {tuple(question.shape)} has no query rows (pass None for none)")
+
+
 def subsample_queries(q: torch.Tensor, max_queries: int, seed: int) -> torch.Tensor:
     """At most ``max_queries`` rows of ``q`` [n, D], drawn without replacement, kept in order."""
     if q.shape[0] <= max_queries:
@@ -121,8 +129,8 @@ def subsample_queries(q: torch.Tensor, max_queries: int, seed: int) -> torch.Ten
 
 
 def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
-                 t: int | None, config: CompactionConfig, scale: float | None = None
-                 ) -> CompactedHead:
+                 t: int | None, config: CompactionConfig, scale: float | None = None, *,
+                 question: torch.Tensor | None = None) -> CompactedHead:
     """Compact one KV head from T tokens to t entries.
 
     Parameters
@@ -136,6 +144,10 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
     config : CompactionConfig
     scale : float, optional
         Logit scale; default ``1/sqrt(D)``.
+    question : Tensor [m, D], optional
+        Query rows of questions known when compacting (also among ``queries``): with
+        ``selection="attention"``, ``config.question_share`` of the t slots go to the keys
+        they attend to most (:mod:`.select`).
 
     Returns
     -------
@@ -149,6 +161,7 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
     if not isinstance(config, CompactionConfig):
         raise ValueError(f"config must be a CompactionConfig, got {type(config).__name__}")
     _check_head(keys, values, queries)
+    _check_question(question, keys.shape[1])
     num, d = keys.shape
     t = _resolve_budget(t, num, config)
     s = default_scale(d, scale)
@@ -166,7 +179,9 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
         return CompactedHead(keys=fr.keys, values=fr.values, beta=None, indices=merged.indices,
                              u=fr.u, method=method, head_dim_out=d, fitted_bias=merged.bias)
 
-    idx = select_keys(k, q, t, rule=config.selection, scale=s)  # [t]
+    guard = None if question is None or config.question_share == 0 else question.detach().to(torch.float32)
+    idx = select_keys(k, q, t, rule=config.selection, scale=s, question=guard,
+                      question_share=config.question_share)  # [t]
     kept = k[idx]  # [t, D]
     if method == "drop_refit":
         vals = refit_values(kept, q, target, scale=s, bias=None, ridge=config.ridge)
@@ -199,7 +214,7 @@ def _stack(heads: list[CompactedHead], name: str) -> torch.Tensor | None:
 
 def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
                   t: int | None, config: CompactionConfig, scale: float | None = None, *,
-                  timings: dict | None = None) -> CompactedLayer:
+                  timings: dict | None = None, question: torch.Tensor | None = None) -> CompactedLayer:
     """Compact every KV head of one layer with the same budget t (equal per-head lengths).
 
     ``selection="attention"`` with ``am``, ``fold``, ``drop``, ``drop_refit`` or ``rank1`` takes
@@ -219,6 +234,9 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
         Default ``1/sqrt(D)``.
     timings : dict, optional
         Batched path only: seconds per stage are added to it (see :mod:`.batched`).
+    question : Tensor [Hkv, m, D], optional
+        Query rows of questions known when compacting, pooled like ``queries`` (and among
+        them): the guard of :mod:`.select` (see :func:`compact_head`).
 
     Returns
     -------
@@ -235,19 +253,26 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
         raise ValueError(f"K has no KV heads: shape {tuple(keys.shape)}")
     if not isinstance(config, CompactionConfig):
         raise ValueError(f"config must be a CompactionConfig, got {type(config).__name__}")
+    if question is not None and (not isinstance(question, torch.Tensor) or question.dim() != 3
+                                 or question.shape[0] != keys.shape[0]):
+        shape = tuple(question.shape) if isinstance(question, torch.Tensor) else type(question).__name__
+        raise ValueError(f"question must be a 3-D tensor [Hkv={keys.shape[0]}, m, D], got {shape}")
+    qh = (lambda h: None) if question is None else (lambda h: question[h])
     if batched.supports(config):
         for h in range(keys.shape[0]):
             try:
                 _check_head(keys[h], values[h], queries[h])
+                _check_question(qh(h), keys.shape[2])
             except ValueError as exc:
                 raise ValueError(f"KV head {h}: {exc}") from None
         t = _resolve_budget(t, keys.shape[1], config)
-        out = batched.compact_layer_batched(keys, values, queries, t, config, scale, timings=timings)
+        out = batched.compact_layer_batched(keys, values, queries, t, config, scale, timings=timings,
+                                            question=question)
         return CompactedLayer(method=config.method, head_dim_out=out["keys"].shape[-1], **out)
     heads = []
     for h in range(keys.shape[0]):
         try:
-            heads.append(compact_head(keys[h], values[h], queries[h], t, config, scale))
+            heads.append(compact_head(keys[h], values[h], queries[h], t, config, scale, question=qh(h)))
         except ValueError as exc:
             raise ValueError(f"KV head {h}: {exc}") from None
     return CompactedLayer(keys=torch.stack([h.keys for h in heads]),

@@ -30,7 +30,7 @@ import torch
 from ._common import default_scale
 from .config import CompactionConfig
 from .fold import fold_keys
-from .select import top_t
+from .select import guarded_top_t, question_slots
 from .solvers import bounded_lstsq
 
 BATCHED_METHODS = ("am", "fold", "drop", "drop_refit", "rank1")
@@ -163,6 +163,9 @@ class LayerFit:
     z, shift : Tensor [H, n], float64
         Partition functions and largest logits of the full cache.
     scale : float
+    question : Tensor [H, T], float32, or None
+        Largest softmax weight of each key over the question's rows
+        (:func:`~.select.question_scores`); None without questions.
     """
 
     keys: torch.Tensor
@@ -173,20 +176,33 @@ class LayerFit:
     z: torch.Tensor
     shift: torch.Tensor
     scale: float
+    question: torch.Tensor | None = None
+
+
+def question_pass(k: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`~.select.question_scores` of every head: k [H, T, D], q [H, m, D] -> [H, T] float32
+    (one head at a time: m can reach the query cap, and [m, T] is the full pass's size)."""
+    return torch.stack([torch.softmax(torch.mm(q[h], k[h].T).mul_(scale), dim=-1).amax(dim=0)
+                        for h in range(k.shape[0])])
 
 
 def prepare_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
-                  config: CompactionConfig, scale: float | None = None) -> LayerFit:
+                  config: CompactionConfig, scale: float | None = None, *,
+                  question: torch.Tensor | None = None) -> LayerFit:
     """The full-cache pass of every head of a layer: keys [H, T, D], values [H, T, Dv],
-    queries [H, n, D] (subsampled to ``config.max_queries``)."""
+    queries [H, n, D] (subsampled to ``config.max_queries``); ``question`` [H, m, D]: the
+    question's rows (also among ``queries``), scored for the guard of :mod:`~.select`."""
     s = default_scale(keys.shape[2], scale)
     k, v = keys.detach().to(torch.float32), values.detach().to(torch.float32)
     q = subsample_rows(queries.detach().to(torch.float32), config.max_queries, config.seed)
     work = torch.empty(q.shape[1], k.shape[1], dtype=torch.float32, device=k.device)  # [n, T]
     parts = [full_pass(k[h], v[h], q[h], s, out=work) for h in range(k.shape[0])]
     stack = [torch.stack([p[i] for p in parts]) for i in range(4)]
+    guard = None
+    if question is not None and config.question_share > 0:
+        guard = question_pass(k, question.detach().to(device=k.device, dtype=torch.float32), s)
     return LayerFit(keys=k, values=v, queries=q, target=stack[0], scores=stack[1], z=stack[2],
-                    shift=stack[3], scale=s)
+                    shift=stack[3], scale=s, question=guard)
 
 
 def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: CompactionConfig,
@@ -209,7 +225,8 @@ def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: Co
     clock = _Clock(timings)
     k, q, s, target = fit.keys, fit.queries, fit.scale, fit.target
     heads, d = k.shape[0], k.shape[2]
-    idx = torch.stack([top_t(fit.scores[h], t) for h in range(heads)]).to(k.device)  # [H, t]
+    g = question_slots(t, config.question_share) if fit.question is not None else 0
+    idx = guarded_top_t(fit.scores, fit.question, t, g).to(k.device)  # [H, t]
     clock("select")
     kept = k.gather(1, idx[..., None].expand(-1, -1, d))  # [H, t, D]
     q64 = q.to(torch.float64)
@@ -255,7 +272,7 @@ def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: Co
 
 def compact_layer_batched(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
                           t: int, config: CompactionConfig, scale: float | None = None, *,
-                          timings: dict | None = None) -> dict:
+                          timings: dict | None = None, question: torch.Tensor | None = None) -> dict:
     """Compact every KV head of one layer (module docstring); inputs checked by the caller.
 
     Parameters
@@ -272,6 +289,8 @@ def compact_layer_batched(keys: torch.Tensor, values: torch.Tensor, queries: tor
     timings : dict, optional
         Seconds per stage are added to it: ``full`` (the [n, T] pass), ``select``, ``design``
         (kept logits and design), ``bias`` (the solve), ``fold``, ``values`` (refits).
+    question : Tensor [H, m, D], optional
+        The question's query rows (:func:`prepare_layer`).
 
     Returns
     -------
@@ -284,11 +303,11 @@ def compact_layer_batched(keys: torch.Tensor, values: torch.Tensor, queries: tor
                          f"{config.selection!r}: allowed methods {BATCHED_METHODS} with "
                          "selection 'attention'")
     clock = _Clock(timings)
-    fit = prepare_layer(keys, values, queries, config, scale)
+    fit = prepare_layer(keys, values, queries, config, scale, question=question)
     clock("full")
     return compact_prepared(fit, t, (config.method,), config, timings)[config.method]
 
 
 __all__ = ["BATCHED_METHODS", "LayerFit", "compact_layer_batched", "compact_prepared",
-           "fold_directions", "full_pass", "prepare_layer", "refit_batched", "subsample_rows",
+           "fold_directions", "full_pass", "prepare_layer", "question_pass", "refit_batched", "subsample_rows",
            "supports"]

@@ -31,7 +31,9 @@ from transformers.cache_utils import DynamicLayer
 
 from . import attention, capture_batch
 from .passes import QueryPass
-from .recorder import QUESTION_PREFIX, QueryRecorder, _rows, is_question, pool  # noqa: F401 (re-exported)
+from .recorder import (  # noqa: F401 (re-exported)
+    QUESTION_PREFIX, QueryRecorder, _rows, is_question, pool, question_rows,
+)
 from kvlocks.integrations.hf import cache_kwargs
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,9 @@ class Capture:
         Wall time of the capture.
     max_queries, seed : int
         Cap and seed the queries were pooled with.
+    questions : tuple of Tensor [Hkv, m, D], float32, or None
+        The rows of the question passes among ``queries`` (kept whole by the pool), for the
+        selection's question guard (:mod:`.select`); None without question passes.
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -130,6 +135,7 @@ class Capture:
     seconds: float
     max_queries: int = 4096
     seed: int = 0
+    questions: tuple[torch.Tensor, ...] | None = None
 
     def only(self, names) -> "Capture":
         """This capture with reference queries pooled from the passes ``names`` alone."""
@@ -137,9 +143,13 @@ class Capture:
         if unknown or not names:
             raise ValueError(f"passes {sorted(names)}: need a non-empty subset of {sorted(self.by_pass)}")
         names = list(names)
-        queries = tuple(pool([self.by_pass[n][i] for n in names], self.max_queries, self.seed,
-                             keep=[is_question(n) for n in names]) for i in range(len(self.keys)))
-        return dataclasses.replace(self, queries=queries)
+        keep = [is_question(n) for n in names]
+        layers = range(len(self.keys))
+        queries = tuple(pool([self.by_pass[n][i] for n in names], self.max_queries, self.seed, keep=keep)
+                        for i in layers)
+        questions = tuple(question_rows([self.by_pass[n][i] for n in names], keep, self.max_queries)
+                          for i in layers) if any(keep) else None
+        return dataclasses.replace(self, queries=queries, questions=questions)
 
 
 def check_prefix_ids(prefix_ids) -> torch.Tensor:
@@ -277,6 +287,8 @@ def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
     return Capture(keys=tuple(cache.layers[i].keys[0].cpu().contiguous() for i in layers),  # [Hkv, T, D]
                    values=tuple(cache.layers[i].values[0].cpu().contiguous() for i in layers),
                    queries=tuple(recorder.pooled(i) for i in layers),
+                   questions=(tuple(recorder.questions(i) for i in layers)
+                              if any(is_question(n) for n in recorder.passes) else None),
                    scales=tuple(recorder.scales[i] for i in layers),
                    counts=dict(recorder.counts), prefix_len=num,
                    by_pass={name: tuple(p[i] for i in layers) for name, p in recorder.passes.items()},

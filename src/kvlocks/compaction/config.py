@@ -92,6 +92,12 @@ class CompactionConfig(ConfigIO):
         where n < t allows an exact fit, objective 0). When read from JSON
         (cache and result files), scipy's method names ``"bvls"`` and ``"trf"`` mean
         ``"active_set"``: the same problem solved to the same optimum.
+    question_share : float
+        With questions known when compacting (``kvlocks compact --question``; their query
+        rows passed as ``question``), the share of each head's t slots kept for the keys the
+        question's rows attend to most (largest max softmax weight over those rows), the rest
+        by RMS; in [0, 1], 0 for none (:mod:`~kvlocks.compaction.select`). ``"attention"``
+        selection only; without questions nothing changes. Default 0.25.
     """
 
     ratio: float = 0.1
@@ -106,6 +112,7 @@ class CompactionConfig(ConfigIO):
     merge_threshold: float = 0.98
     round_dtype: str = "bfloat16"
     bias_solver: str = "active_set"
+    question_share: float = 0.25
 
     def __post_init__(self) -> None:
         _check_real("ratio", self.ratio, 0.0, 1.0, low_open=True)
@@ -122,6 +129,7 @@ class CompactionConfig(ConfigIO):
         _check_real("merge_threshold", self.merge_threshold, -1.0, 1.0)
         _check_choice("round_dtype", self.round_dtype, ROUND_DTYPES)
         _check_choice("bias_solver", self.bias_solver, BIAS_SOLVERS)
+        _check_real("question_share", self.question_share, 0.0, 1.0)
 
     @classmethod
     def _from_json_values(cls, data: dict) -> dict:

@@ -219,8 +219,9 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
             ck, cv, cb, ci = _identity_layer(k, v, config.method)
         else:
             try:
+                question = None if capture.questions is None else capture.questions[i].to(dev)
                 out = compact_layer(k.to(dev, torch.float32), v.to(dev, torch.float32), q.to(dev), t, config,
-                                    scale=capture.scales[i])
+                                    scale=capture.scales[i], question=question)
             except ValueError as exc:
                 raise ValueError(f"layer {i}: {exc}") from None
             ck, cv, cb, ci = (None if x is None else x.cpu() for x in (out.keys, out.values, out.beta, out.indices))

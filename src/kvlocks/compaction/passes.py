@@ -46,8 +46,9 @@ class ReferenceConfig:
     self_study_tokens : int
         Greedy answer tokens decoded after each self-study prompt (their queries count); >= 0.
     chat : bool
-        Wrap instructions in the tokenizer's chat template (a user turn plus the generation
-        prompt) instead of plain text.
+        The prefix is a chat user turn: wrap instructions in the tokenizer's chat template as the
+        next user turn (:func:`kvlocks.chat.next_user_turn`) plus the generation prompt, instead
+        of plain text.
     repeat_tokens : int
         A prefix of at most this many tokens is repeated whole; a longer one in spans
         (module docstring), this many tokens in all. >= 1.
@@ -55,8 +56,8 @@ class ReferenceConfig:
         Tokens per repeated span. >= 1.
     questions : tuple of str
         Questions the compacted prefix will be asked (user-supplied reference queries), each
-        fed as ``kvlocks generate`` feeds a prompt (a user turn of the chat template with the
-        generation prompt, where the tokenizer has one) and followed by ``self_study_tokens``
+        fed as ``kvlocks generate --cache`` feeds a prompt (a user turn of the chat template with
+        the generation prompt, where the tokenizer has one: the next turn after a ``chat`` prefix) and followed by ``self_study_tokens``
         greedy tokens: the queries of the answer read the prefix as the real answer will.
     """
 
@@ -118,10 +119,18 @@ class QueryPass:
                              f"{self.ids.shape[1]} ids and the pass must not generate")
 
 
-def _instruction_ids(tokenizer, text: str, chat: bool) -> torch.Tensor:
+def _instruction_ids(tokenizer, text: str, chat: bool, *, after_chat: bool = True) -> torch.Tensor:
+    """``text`` as fed after the prefix: with ``chat``, a user turn of the tokenizer's chat template
+    with the generation prompt (the second turn after a chat prefix when ``after_chat``, as
+    ``kvlocks generate --cache`` renders it; else a conversation of its own); plain text otherwise."""
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        from kvlocks.chat import next_user_turn
+
+        if after_chat:
+            text = next_user_turn(tokenizer, text)
+        else:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
     else:
         text = f"\n\n{text}\n"
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids  # [1, L]
@@ -138,7 +147,7 @@ def reference_passes(tokenizer, prefix_ids: torch.Tensor, config: ReferenceConfi
         ids = _instruction_ids(tokenizer, prompt, config.chat)
         passes.append(QueryPass(f"self_study_{i}", ids, generate=config.self_study_tokens))
     for i, question in enumerate(config.questions):
-        ids = _instruction_ids(tokenizer, question, True)
+        ids = _instruction_ids(tokenizer, question, True, after_chat=config.chat)
         passes.append(QueryPass(f"question_{i}", ids, generate=config.self_study_tokens))
     return passes
 

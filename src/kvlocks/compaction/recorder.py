@@ -94,6 +94,11 @@ class QueryRecorder:
             self.counts[name] = max(rows.pos.values(), default=0) * self.group
         self.start_pass(0)
 
+    def questions(self, layer: int) -> torch.Tensor | None:
+        """The question passes' rows of ``layer`` as :meth:`pooled` keeps them, or None."""
+        names = list(self.passes)
+        return question_rows([self.passes[n][layer] for n in names], [is_question(n) for n in names], self.cap)
+
     def pooled(self, layer: int) -> torch.Tensor:
         """All passes of ``layer`` pooled and subsampled: [Hkv, n <= cap, D] float32."""
         names = list(self.passes)
@@ -109,6 +114,12 @@ def is_question(name: str) -> bool:
     return name.startswith(QUESTION_PREFIX)
 
 
+def question_rows(parts: list[torch.Tensor], keep: list[bool], cap: int) -> torch.Tensor | None:
+    """The rows :func:`pool` keeps whole (the parts flagged in ``keep``), [Hkv, m <= cap, D], or None."""
+    fixed = [p for p, k in zip(parts, keep, strict=True) if k]
+    return torch.cat(fixed, dim=1)[:, :cap] if fixed else None
+
+
 def pool(parts: list[torch.Tensor], cap: int, seed: int, keep: list[bool] | None = None) -> torch.Tensor:
     """Concatenate [Hkv, m_i, D] parts and keep ``cap`` seeded rows (the same for every head).
 
@@ -117,9 +128,8 @@ def pool(parts: list[torch.Tensor], cap: int, seed: int, keep: list[bool] | None
     cut to a few among thousands of context rows. Without flags: the plain seeded subsample.
     """
     keep = keep or [False] * len(parts)
-    fixed = [p for p, k in zip(parts, keep) if k]
     rest = [p for p, k in zip(parts, keep) if not k]
-    head = torch.cat(fixed, dim=1)[:, :cap] if fixed else None  # [Hkv, m, D]
+    head = question_rows(parts, keep, cap)  # [Hkv, m, D]
     room = cap - (0 if head is None else head.shape[1])
     if not rest or room <= 0:
         return head

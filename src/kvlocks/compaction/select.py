@@ -15,6 +15,15 @@ Two rules, both deterministic and both returning sorted ascending positions:
   chosen columns, grown by one row per step, each warm-started from the previous weights) and
   t correlation passes over all T columns; use it for studies at moderate t, and
   ``"attention"`` at scale.
+
+Questions known when compacting (``kvlocks compact --question``) add a guard to ``"attention"``:
+their rows and their answer's rows are a few dozen among thousands of reference queries, so
+RMS over all of them can rank a key that only those rows attend to (a planted fact the answer
+copies, read by a few heads for a few rows) below keys with broad mass. The guard reserves
+``g = question_slots(t, share)`` of a head's t slots for the keys with the largest *max*
+softmax weight over the question's rows (:func:`question_scores`); the other t - g go to the
+best RMS scores among the rest (:func:`guarded_top_t`). Without question rows, or with share
+0, the selection is the plain top t.
 """
 
 from __future__ import annotations
@@ -70,9 +79,63 @@ def top_t(scores: torch.Tensor, t: int) -> torch.Tensor:
     return order[:t].sort().values.to(torch.int64)
 
 
+def question_scores(keys: torch.Tensor, q: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Largest softmax weight of each key over the question's rows, under the full cache.
+
+    Parameters
+    ----------
+    keys : Tensor [T, D]
+    q : Tensor [m, D]
+        The question's (and its answer's) query rows; m >= 1.
+    scale : float, optional
+
+    Returns
+    -------
+    Tensor [T], float32
+    """
+    return attention_weights(q, keys, scale=scale).amax(dim=0)
+
+
+def question_slots(t: int, share: float) -> int:
+    """Slots of t reserved for the question's keys: ``min(t, round(share * t))``."""
+    return min(t, round(share * t))
+
+
+def guarded_top_t(scores: torch.Tensor, guard: torch.Tensor | None, t: int, g: int) -> torch.Tensor:
+    """Top t of every head with the ``g`` best ``guard`` keys kept first (module docstring).
+
+    Parameters
+    ----------
+    scores : Tensor [H, T]
+        Main scores (RMS attention weight).
+    guard : Tensor [H, T] or None
+        Guard scores (:func:`question_scores`); None: no guard.
+    t : int
+        1 <= t <= T.
+    g : int
+        0 <= g <= t keys taken by ``guard`` first (ties to the lower position).
+
+    Returns
+    -------
+    Tensor [H, t], int64, each row sorted ascending: the g best by ``guard``, then the
+    t - g best by ``scores`` among the others (ties to the lower position).
+    """
+    if not 0 <= g <= t:
+        raise ValueError(f"g={g}: must satisfy 0 <= g <= t={t}")
+    s = scores.detach().to(torch.float64).cpu()
+    if guard is not None and g > 0:
+        if guard.shape != scores.shape:
+            raise ValueError(f"guard shape {tuple(guard.shape)} must match scores {tuple(scores.shape)}")
+        order = torch.sort(-guard.detach().to(torch.float64).cpu(), dim=-1, stable=True).indices
+        s = s.clone().scatter_(-1, order[:, :g], math.inf)  # the g guarded keys win every comparison
+    return torch.stack([top_t(s[h], t) for h in range(s.shape[0])])
+
+
 def select_attention(keys: torch.Tensor, q: torch.Tensor, t: int, *,
-                     scale: float | None = None) -> torch.Tensor:
-    """Keep the t keys with the largest RMS attention weight (see :func:`attention_scores`).
+                     scale: float | None = None, question: torch.Tensor | None = None,
+                     question_share: float = 0.0) -> torch.Tensor:
+    """Keep the t keys with the largest RMS attention weight (see :func:`attention_scores`),
+    ``question_slots(t, question_share)`` of them guarded for the question (module docstring).
 
     Parameters
     ----------
@@ -81,12 +144,20 @@ def select_attention(keys: torch.Tensor, q: torch.Tensor, t: int, *,
     t : int
         1 <= t <= T.
     scale : float, optional
+    question : Tensor [m, D], optional
+        The question's query rows (also among ``q``); None: no guard.
+    question_share : float
+        Share of t guarded, in [0, 1].
 
     Returns
     -------
     Tensor [t], int64, sorted ascending.
     """
-    return top_t(attention_scores(keys, q, scale=scale), t)
+    scores = attention_scores(keys, q, scale=scale)
+    if question is None:
+        return top_t(scores, t)
+    guard = question_scores(keys, question, scale=scale)
+    return guarded_top_t(scores[None], guard[None], t, question_slots(t, question_share))[0]
 
 
 def select_omp(keys: torch.Tensor, q: torch.Tensor, t: int, *,
@@ -144,10 +215,12 @@ def select_omp(keys: torch.Tensor, q: torch.Tensor, t: int, *,
 
 
 def select_keys(keys: torch.Tensor, q: torch.Tensor, t: int, *, rule: str = "attention",
-                scale: float | None = None) -> torch.Tensor:
-    """Dispatch to :func:`select_attention` (``rule="attention"``) or :func:`select_omp`."""
+                scale: float | None = None, question: torch.Tensor | None = None,
+                question_share: float = 0.0) -> torch.Tensor:
+    """Dispatch to :func:`select_attention` (``rule="attention"``, with the question guard) or
+    :func:`select_omp` (which scores the question's rows among the others, without a guard)."""
     if rule == "attention":
-        return select_attention(keys, q, t, scale=scale)
+        return select_attention(keys, q, t, scale=scale, question=question, question_share=question_share)
     if rule == "omp":
         return select_omp(keys, q, t, scale=scale)
     raise ValueError(f"rule={rule!r}: allowed ('attention', 'omp')")

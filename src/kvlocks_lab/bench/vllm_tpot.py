@@ -160,7 +160,9 @@ def _facts() -> dict:
                                          cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         facts["commit"] = None
-    facts["commit"] = os.environ.get("KVLOCKS_COMMIT") or facts["commit"]  # set where git's state is not the tree's
+    from kvlocks import env
+
+    facts["commit"] = env.get("KVLOCKS_COMMIT") or facts["commit"]  # set where git's state is not the tree's
     import torch
 
     facts["torch"] = torch.__version__

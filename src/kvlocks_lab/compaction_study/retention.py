@@ -136,8 +136,9 @@ def study_record(model, tok, record, args, info) -> list[dict]:
         start = time.perf_counter()
         dev = model.device  # the fits run where the model does
         for layer in range(len(sub.keys)):
+            question = None if sub.questions is None else sub.questions[layer].to(dev)
             fit = batched.prepare_layer(sub.keys[layer].to(dev), sub.values[layer].to(dev),
-                                        sub.queries[layer].to(dev), cfg, sub.scales[layer])
+                                        sub.queries[layer].to(dev), cfg, sub.scales[layer], question=question)
             for r in args.ratios:
                 for m, out in batched.compact_prepared(fit, cfg.replace(ratio=r).budget(num), methods, cfg).items():
                     made[r][m].append(out)

@@ -35,8 +35,10 @@ BASELINES = ("drop", "drop_refit", "am", "rank1", "merge_fold")
 def commit() -> str:
     """``$KVLOCKS_COMMIT`` when set (the GPU machine receives a working tree whose git state, if any,
     is not its commit), else ``git rev-parse HEAD`` of the source tree, else ``"unknown"``."""
-    if os.environ.get("KVLOCKS_COMMIT"):
-        return os.environ["KVLOCKS_COMMIT"]
+    from kvlocks import env
+
+    if env.get("KVLOCKS_COMMIT"):
+        return env.get("KVLOCKS_COMMIT")
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
