@@ -30,7 +30,7 @@ import torch
 from ._common import default_scale
 from .config import CompactionConfig
 from .fold import fold_keys
-from .select import guarded_top_t, question_slots
+from .select import guarded_top_t, question_scores, question_slots
 from .solvers import bounded_lstsq
 
 BATCHED_METHODS = ("am", "fold", "drop", "drop_refit", "rank1")
@@ -182,8 +182,7 @@ class LayerFit:
 def question_pass(k: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
     """:func:`~.select.question_scores` of every head: k [H, T, D], q [H, m, D] -> [H, T] float32
     (one head at a time: m can reach the query cap, and [m, T] is the full pass's size)."""
-    return torch.stack([torch.softmax(torch.mm(q[h], k[h].T).mul_(scale), dim=-1).amax(dim=0)
-                        for h in range(k.shape[0])])
+    return torch.stack([question_scores(k[h], q[h], scale=scale) for h in range(k.shape[0])])
 
 
 def prepare_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
