@@ -23,29 +23,13 @@ from collections import defaultdict
 import torch
 
 from kvlocks_lab.bench.e2e import _time_steps, copy_bandwidth, step_bytes
+from kvlocks_lab.bench.kernel_classes import classify
 from kvlocks.config import LocksConfig
 from kvlocks.engine.cache import StaticPagedCache
 from kvlocks.engine.graph import StepRunner
 from kvlocks.engine.models import model_config, random_model
 from kvlocks.engine.parts import model_parts
 from kvlocks.engine.step import DecodeStep
-
-CLASSES = (  # first match wins (lower-case substrings of the kernel name)
-    ("locks_score", ("_score_", "score_kernel")),  # Triton kernels; the CUDA kernel (score_mma.cu)
-    ("locks_combine", ("_combine",)),
-    ("locks_select", ("_select", "_chunk_kernel")),  # fused combine + selection; the unfused chunk pass
-    ("locks_build", ("_build_kernel",)),
-    ("attend", ("_attn_kernel", "_merge_kernel")),
-    ("weights_gemm", ("gemv", "gemm", "cutlass", "xmma", "sm90_", "sm80_", "cublas", "splitk")),
-)
-
-
-def classify(name: str) -> str:
-    low = name.lower()
-    for cls, keys in CLASSES:
-        if any(k in low for k in keys):
-            return cls
-    return "other"
 
 
 def profile_method(parts, cache, method, steps, context, bw_gbps, compile=False):

@@ -130,8 +130,46 @@ def _worker(spec: dict) -> list[dict]:
                          "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall,
                          "decode_wall_s": decode_wall, "cached_tokens": [o.num_cached_tokens for o in outs],
                          "init_s": init_s})
+            if spec.get("profile_steps"):
+                rows[-1]["profile"] = _profile_cell(llm, prompts, params, spec["profile_steps"], spec["backend"])
             print(json.dumps({k: rows[-1][k] for k in ("context", "batch", "tpot_ms", "ttft_s")}), flush=True)
     return rows
+
+
+def _profile_cell(llm, prompts, params, steps: int, backend: str) -> dict:
+    """GPU time per kernel of one decode step of the batch, under ``torch.profiler`` (the engine runs
+    in this process): the same prompts (prefix-cache hits) decoded for 1 and for ``steps + 1``
+    tokens, the difference divided by ``steps`` (:func:`~kvlocks_lab.bench.kernel_classes.per_step`),
+    so the prompt's remaining tokens and the first token cancel out. ``wall_us_per_step`` is the
+    same difference of wall times (profiler overhead included); with LOCKS, ``eager_steps_per_step``
+    counts layer forwards that attended LOCKS rows outside a CUDA graph (0: every step replayed
+    vLLM's full graph)."""
+    import torch
+
+    from kvlocks_lab.bench.kernel_classes import kernel_times, per_step, summarize
+
+    def eager_steps():
+        if backend != "LOCKS":
+            return 0
+        from kvlocks.integrations.vllm.cuda_backend import debug_counters
+
+        return debug_counters()["eager_steps"]
+
+    runs = {}
+    for n in (1, steps + 1):
+        torch.cuda.synchronize()
+        before = eager_steps()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            llm.generate(prompts, params(n), use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        runs[n] = (kernel_times(prof), wall, eager_steps() - before)
+    out = summarize(per_step(runs[steps + 1][0], runs[1][0], steps))
+    out["steps"] = steps
+    out["wall_us_per_step"] = 1e6 * (runs[steps + 1][1] - runs[1][1]) / steps
+    out["eager_steps_per_step"] = (runs[steps + 1][2] - runs[1][2]) / steps
+    return out
 
 
 def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
@@ -188,6 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-context", type=int, default=524288,
                     help="cap of 'max' (a 1M-token prefill of a 9B model takes longer than one device call)")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process (all of one model's contexts)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after each cell's TPOT, GPU time per kernel class of one decode step, from this many "
+                         "steps under torch.profiler (0: no profile)")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -213,7 +254,7 @@ def main(argv=None) -> int:
         for backend in args.backends:
             spec = {"model": model, "model_dir": str(CONFIGS / model), "backend": backend,
                     "cells": [[ctx, sorted(b)] for ctx, b in sorted(cells.items())], "new_tokens": args.new_tokens,
-                    "budget": args.budget, "vocab": cfg["vocab_size"]}
+                    "budget": args.budget, "vocab": cfg["vocab_size"], "profile_steps": args.profile_steps}
             got = _run_engine(spec, args.out, args.timeout)
             with open(rows_path, "a") as f:
                 for r in got:

@@ -57,9 +57,10 @@ _DECODERS: list = []  # weak references, for debug_counters()
 def debug_counters() -> dict:
     """Counters summed over this process's LOCKS layers (one device sync): ``tag_mismatches``,
     ``stale_used`` (with verification), ``pages_checked``, ``locks_rows`` (rows x layers), counted
-    while ``KVLOCKS_VLLM_CHECK`` or ``KVLOCKS_VLLM_VERIFY`` is set; ``eager_builds`` always."""
+    while ``KVLOCKS_VLLM_CHECK`` or ``KVLOCKS_VLLM_VERIFY`` is set; ``eager_builds`` and
+    ``eager_steps`` (layer forwards that attended LOCKS rows outside a CUDA graph) always."""
     total = dict.fromkeys(COUNTERS, 0)
-    total["eager_builds"], total["layers"] = 0, 0
+    total["eager_builds"], total["eager_steps"], total["layers"] = 0, 0, 0
     for ref in _DECODERS:
         dec = ref()
         if dec is None or dec.store is None:
@@ -67,6 +68,7 @@ def debug_counters() -> dict:
         for name, v in zip(COUNTERS, dec.store.counters.tolist()):
             total[name] += int(v)
         total["eager_builds"] += dec.store.builds
+        total["eager_steps"] += dec.eager_steps
         total["layers"] += 1
     return total
 

@@ -167,6 +167,7 @@ class LocksDecoder:
         self.ignore_tags = env.flag("KVLOCKS_VLLM_IGNORE_TAGS")
         self._warned_trace = False
         self._warm: set = set()  # (batch, width, dtype) whose captured-path kernels ran eagerly
+        self.eager_steps = 0  # eager forwards that attended LOCKS rows (outside CUDA graphs; host count)
 
     def shape(self, width: int, dtype, device) -> tuple:
         device = torch.device(device)
@@ -234,6 +235,7 @@ class LocksDecoder:
         rows = step.sparse.cpu().nonzero().flatten()
         if not rows.numel():
             return
+        self.eager_steps += 1
         dev_rows = rows.to(query.device)
         tok = step.query_start_loc[dev_rows].long()  # [R] the decode token of each LOCKS row
         q, bt, lens = query[tok], step.block_table[dev_rows], step.seq_lens[dev_rows]
