@@ -415,6 +415,26 @@ def test_attention_matches_reference(lens, g, d, dtype, k):
     assert torch.allclose(first[1], got[1], atol=1e-3)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_writes_into_a_given_output(backend):
+    """``out=``: the result lands in the caller's rows (a strided view of a larger buffer, as vLLM's
+    output is), equal to the default buffer's, with nothing else touched; a mismatched ``out`` is refused."""
+    q, kc, vc, table, seq = make_paged(LENS["c"], 2, 4, 64, BF16, seed=3)
+    pl = torch.full((len(seq), 2, 5), -1, dtype=torch.int32)
+    for b in range(len(seq)):  # the first pages of each row (at most 5)
+        n = min(5, -(-int(seq[b]) // S))
+        pl[b, :, :n] = torch.arange(n, dtype=torch.int32)
+    pl = pl.to(DEV)
+    exp = paged_decode(q, kc, vc, table, seq, pl, backend=backend)[0].clone()
+    buf = torch.full((len(seq) + 3, q.shape[1], q.shape[2]), 7.0, dtype=q.dtype, device=DEV)
+    out = buf[1 : 1 + len(seq)]
+    got, _ = paged_decode(q, kc, vc, table, seq, pl, backend=backend, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, exp)
+    assert bool((buf[0] == 7).all()) and bool((buf[1 + len(seq):] == 7).all())
+    with pytest.raises(ValueError, match="out must be"):
+        paged_decode(q, kc, vc, table, seq, pl, backend=backend, out=out.float())
+
+
 def test_attention_adapters_same_signature():
     q, k, v = (torch.randn(2, 3, n, 64, device=DEV) for n in (4, 37, 37))
     ids = torch.tensor([[0, 2], [1, 2]], device=DEV).view(2, 1, 2).expand(2, 3, 2)

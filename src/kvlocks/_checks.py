@@ -81,3 +81,16 @@ def check_scale(scale) -> float | None:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale={scale!r}: must be None (1/sqrt(D)) or a finite number > 0")
     return float(scale)
+
+
+def check_out(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` if it can take a result shaped, typed and placed like ``like`` with a contiguous last
+    dim (row and head strides free), else a ``ValueError`` naming what differs."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"out must be {tuple(like.shape)} {like.dtype} on {like.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"out needs a contiguous last dim, got strides {out.stride()}")
+    return out

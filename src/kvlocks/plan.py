@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from kvlocks._checks import check_out
 from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
 from kvlocks.cache.layout import SummaryStore, paged_to_token_major
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
@@ -87,18 +88,21 @@ def paged_select(ranking, seq_lens, *, page_size, k, sink_pages=1, recent_pages=
 
 
 def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *, scale=None, backend=None,
-                 workspace=None, options: KernelOptions | None = None):
+                 workspace=None, options: KernelOptions | None = None, out=None):
     """Attention over the listed pages: ``out [B, Hq, D]`` (queries' dtype), ``lse [B, Hq]`` float32.
-    ``workspace``: an :class:`~kvlocks.attention.triton.AttentionWorkspace` (Triton)."""
+    ``workspace``: an :class:`~kvlocks.attention.triton.AttentionWorkspace` (Triton); ``out``: a
+    ``[B, Hq, D]`` tensor to write the result into (last dim contiguous)."""
+    if out is not None:
+        check_out(out, queries)
     if resolve_backend(backend, queries.device) == "triton":
         from kvlocks.attention.triton import paged_decode as tri
 
         return tri(queries, k_cache, v_cache, block_table, seq_lens, page_list, scale=scale, workspace=workspace,
-                   options=options)
+                   options=options, out=out)
     bsz, hq, d = queries.shape
     hkv = k_cache.shape[2]
     g, s = hq // hkv, k_cache.shape[1]
-    out = torch.empty_like(queries)
+    out = torch.empty_like(queries) if out is None else out
     lse = torch.empty(bsz, hq, device=queries.device)
     for b in range(bsz):
         n = int(seq_lens[b])
@@ -107,7 +111,7 @@ def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *,
         ids = page_list[b].long()
         ids = ids[:, : int((ids[0] >= 0).sum())]  # -1 padding is shared by the heads of a sequence
         o, l = ref_sparse_decode(queries[b].view(hkv, g, d), keys, values, ids, s, scale=scale)
-        out[b], lse[b] = o.reshape(hq, d), l.reshape(hq)
+        out[b], lse[b] = o.reshape(hq, d).to(out.dtype), l.reshape(hq)
     return out, lse
 
 
@@ -189,8 +193,9 @@ class DecodePlan:
                                   + config.recent_pages)
                 self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
 
-    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
-        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
+    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None):
+        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``.
+        ``out``: where to write the attention (``[B, Hq, D]``, last dim contiguous; default a plan buffer)."""
         c, be, opts = self.config, self.backend, self.options
         if be == "triton":  # score kernel, then combine + selection fused in one launch
             from kvlocks.scoring.triton import score_pages_paged
@@ -220,4 +225,4 @@ class DecodePlan:
             self.pages = paged_select(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
                                       recent_pages=c.recent_pages, backend=be)
         return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
-                            backend=be, workspace=self.attend_ws, options=opts)
+                            backend=be, workspace=self.attend_ws, options=opts, out=out)

@@ -2,10 +2,11 @@
 
 Usage: python engine_gpu.py SPEC.json OUT.json. SPEC: {"llm": {LLM kwargs}, "prompts": [token-id
 lists], "max_tokens": int, "locks": LocksConfig JSON or null, "batches": [[prompt index, ...], ...]
-(one generate call each; default all at once), "model": path (default: the bundled model)}.
+(one generate call each; default all at once), "model": path (default: the bundled model),
+"logprobs": int or null (the top log-probabilities of every output position)}.
 Greedy, ignoring EOS. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 set by the caller), so the LOCKS backend's debug counters are read here after generating.
-OUT: {"tokens", "counters", "preemptions", "preempted_at", "init_s", "gen_s"}; ``preempted_at``: per
+OUT: {"tokens", "logprobs" (per prompt and position: {token id: log-probability}, or null), "counters", "preemptions", "preempted_at", "init_s", "gen_s"}; ``preempted_at``: per
 prompt, the number of its output tokens at each of its preemptions (read from vLLM's scheduler,
 whose ``_preempt_request`` is wrapped in this process; vLLM 0.26 and 0.32 name it so).
 """
@@ -38,11 +39,15 @@ if __name__ == "__main__":
     llm = LLM(model=spec.get("model") or str(resolve("smollm2-135m")), seed=0, **spec["llm"])
     t1 = time.time()
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
-    outs, ids = [], {}
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
+                            logprobs=spec.get("logprobs"))
+    outs, ids, lps = [], {}, {}
     for group in spec.get("batches") or [list(range(len(prompts)))]:
         res = llm.generate([prompts[i] for i in group], params, use_tqdm=False)
         outs += [(i, list(r.outputs[0].token_ids)) for i, r in zip(group, res)]
+        if spec.get("logprobs"):
+            lps.update({i: [{str(t): lp.logprob for t, lp in pos.items()} for pos in r.outputs[0].logprobs]
+                        for i, r in zip(group, res)})
         ids.update({r.request_id: i for i, r in zip(group, res)})
     preempted_at = [[] for _ in prompts]
     for rid, n in events:  # the engine's id is the request's, or it with a suffix after "-"
@@ -58,5 +63,6 @@ if __name__ == "__main__":
         preemptions = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     except Exception:  # noqa: BLE001 - stats disabled (the LLM default) or no prometheus_client
         pass
-    json.dump({"tokens": [t for _, t in sorted(outs)], "counters": counters, "preemptions": preemptions,
+    json.dump({"tokens": [t for _, t in sorted(outs)], "logprobs": [lps[i] for i in sorted(lps)] or None,
+               "counters": counters, "preemptions": preemptions,
                "preempted_at": preempted_at, "init_s": t1 - t0, "gen_s": gen_s}, open(sys.argv[2], "w"))

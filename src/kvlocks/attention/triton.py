@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlocks._checks import check_out
 from kvlocks.cache.layout import dot_dtype, token_major_to_paged
 from kvlocks.config import DenseLaunch, KernelOptions, default_kernel_options
 from kvlocks.pdl import enabled as pdl_enabled
@@ -171,8 +172,8 @@ def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: i
 
 def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, page_list: torch.Tensor, *, scale: float | None = None,
-                 workspace: AttentionWorkspace | None = None,
-                 options: KernelOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 workspace: AttentionWorkspace | None = None, options: KernelOptions | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of one decode query per head over the listed pages.
 
     Parameters
@@ -184,10 +185,12 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         may be 0 (the dense baseline passes a broadcast ``arange``)
     workspace : from :func:`attention_workspace` (allocated here with the default launch when omitted)
     options : KernelOptions (None: the defaults); ``pdl`` is read
+    out : ``[B, Hq, D]`` in the queries' dtype, last dim contiguous (any row and head strides): the
+        merge writes the result there instead of into the workspace's buffer
 
     Returns
     -------
-    out : ``[B, Hq, D]`` in the queries' dtype (the workspace's buffer); lse : float32 ``[B, Hq]``
+    out : ``[B, Hq, D]`` in the queries' dtype (``out``, or the workspace's buffer); lse : float32 ``[B, Hq]``
     """
     bsz, hq, d = queries.shape
     _, s, hkv, _ = k_cache.shape
@@ -197,7 +200,8 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     n_list = page_list.shape[-1]
     ws = workspace or attention_workspace(bsz, hq, d, n_list, bsz * hkv, queries.dtype, queries.device)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out, lse, launch = ws.out, ws.lse, ws.launch
+    lse, launch = ws.lse, ws.launch
+    out = ws.out if out is None else check_out(out, queries)
     pdl = pdl_enabled(queries.device, (options or default_kernel_options()).pdl)
     pdl_launch = {"launch_pdl": True} if pdl else {}
     _attn_kernel[(ws.splits, bsz * hkv)](

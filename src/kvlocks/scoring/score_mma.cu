@@ -417,8 +417,20 @@ __device__ __forceinline__ void score_body(const Params& p) {
   const int row = blockIdx.y, chunk = blockIdx.x;
   const int b = row / p.hkv, h = row % p.hkv;
   const int pc = __ldg(p.seq_lens + b) / S;
-  const int start = chunk * p.ppp;  // this program's pages: [start, end)
-  const int end = min(start + p.ppp, pc);
+  // this program's pages [start, end): the row's full pages spread over all n_chunks programs, in
+  // multiples of TILE and at most ppp each, so a sequence much shorter than the plan's max_pages is
+  // not scored by a few programs of ppp pages while the others idle
+  const int per = min(p.ppp, max(TILE, ((pc + p.n_chunks - 1) / p.n_chunks + TILE - 1) / TILE * TILE));
+  const int start = chunk * per;
+  const int end = min(start + per, pc);
+  if (start >= end) {  // no page: the chunk's statistics are empty (max -inf, sum 0)
+    if (tid < p.gb) {
+      float* st = p.stats + ((int64_t)row * p.n_chunks + chunk) * 2 * p.gb;
+      st[tid] = -INFINITY;
+      st[p.gb + tid] = 0.f;
+    }
+    return;
+  }
   const int32_t* bt = p.block_table + (int64_t)b * p.stride_bt;
   const int gid = lane >> 2;
   // page ids of a tile: lane l holds page t0 + (l % 16); page id 0 stands in past the end (not stored)

@@ -32,7 +32,7 @@ from kvlocks.config import KernelOptions, default_kernel_options
 from kvlocks.kernels_support import kernel_support, score_kernel
 from kvlocks.scoring import cuda_mma, triton_packed
 from kvlocks.scoring.triton_combine import (
-    LOG2E, ScoreWorkspace, combine_launch, finish_scores, launch_sizes, store_and_fold,
+    LOG2E, ScoreWorkspace, combine_launch, finish_scores, launch_sizes, row_chunk, store_and_fold,
 )
 
 MAX_BLOCK = 32  # pages per inner step at most (pages per program are a multiple of it)
@@ -74,8 +74,7 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
     pb = tl.arange(0, BLOCK)
     m_run = tl.full([GP], float("-inf"), tl.float32)
     l_run = tl.zeros([GP], tl.float32)
-    start = pid_c * pages_per_prog
-    end = tl.minimum(start + pages_per_prog, pc)
+    start, end = row_chunk(pc, pid_c, n_chunks, pages_per_prog, BLOCK)
     btr = bt_ptr + b.to(tl.int64) * stride_bt
     for p0 in range(start, end, BLOCK):
         p = p0 + pb

@@ -69,6 +69,17 @@ def launch_sizes(total_pages: int, rows: int, device: torch.device, block: int) 
 
 
 @triton.jit
+def row_chunk(pc, pid_c, n_chunks, pages_per_prog, STEP: tl.constexpr):
+    """Pages ``[start, end)`` of score program ``pid_c`` for a row of ``pc`` full pages: the row's
+    pages spread over all ``n_chunks`` programs in multiples of ``STEP``, at most ``pages_per_prog``
+    each (a plan is sized by its longest row; a shorter row still keeps every program busy)."""
+    per = tl.cdiv(tl.cdiv(pc, n_chunks), STEP) * STEP
+    per = tl.minimum(tl.maximum(per, STEP), pages_per_prog)
+    start = pid_c * per
+    return start, tl.minimum(start + per, pc)
+
+
+@triton.jit
 def store_and_fold(lse2, p, pmask, g, row, G, max_pages, scores_ptr, m_run, l_run):
     """Store a step's page scores (log2 units in, natural log out) and fold them into each head's
     running (max, sum of exp2) over the program's pages. Shared by the Triton score kernels."""

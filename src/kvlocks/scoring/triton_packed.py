@@ -37,7 +37,9 @@ import triton.language as tl
 
 from kvlocks.cache.layout import SummaryStore, dot_dtype
 from kvlocks.kernels_support import KERNEL_HEAD_DIMS
-from kvlocks.scoring.triton_combine import LOG2E, ScoreWorkspace, finish_scores, launch_sizes, store_and_fold
+from kvlocks.scoring.triton_combine import (
+    LOG2E, ScoreWorkspace, finish_scores, launch_sizes, row_chunk, store_and_fold,
+)
 
 
 @triton.jit
@@ -115,8 +117,7 @@ def _score_packed_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coe
     pb = tl.arange(0, BLOCK)
     m_run = tl.full([GQ], float("-inf"), tl.float32)
     l_run = tl.zeros([GQ], tl.float32)
-    start = pid_c * pages_per_prog
-    end = tl.minimum(start + pages_per_prog, pc)
+    start, end = row_chunk(pc, pid_c, n_chunks, pages_per_prog, BLOCK)
     btr = bt_ptr + b.to(tl.int64) * stride_bt
     basis_u8 = basis_ptr.to(tl.pointer_type(tl.uint8))
     cen_u8 = cen_ptr.to(tl.pointer_type(tl.uint8))

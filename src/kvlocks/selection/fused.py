@@ -8,7 +8,9 @@ grid ``(chunks, B * Hkv)``, does all three:
 1. each program reduces the score programs' per-head statistics to each head's log-sum-exp
    (:func:`kvlocks.scoring.triton.row_lse2`), turns the per-head scores of its CH pages into the
    combined ranking in registers (one pass over the G heads), stores it (for diagnostics), and
-   radix-selects its chunk's winners (:func:`kvlocks.selection.triton.chunk_winners`);
+   radix-selects its chunk's winners (:func:`kvlocks.selection.triton.chunk_winners`); a program
+   whose chunk lies past its row's full pages (a plan sized for longer rows) only records that it
+   has none;
 2. then it takes a ticket from a per-row arrival counter (``atomic_add``, acquire-release at GPU
    scope, after a CTA barrier so every thread's winners are written first); the program that
    arrives last resets the counter and runs the merge for its row
@@ -101,21 +103,25 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
     if HAS_SS:
         ss = tl.load(ss_ptr + b)
     total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
-    lse2 = row_lse2(stats_ptr, row, n_sc, GP, BLOCK_K)
-    if c == 0:
-        g = tl.arange(0, GP)
-        tl.store(lse_ptr + row * G + g, lse2 * _LN2, mask=g < G)
     pc = n // S
-    offs = c * CH + tl.arange(0, CH)
-    rank = _rank_chunk(scores_ptr + row.to(tl.int64) * G * max_pages, offs, offs < pc, lse2, G, max_pages, CH, GP,
-                       RULE, GU)
-    tl.store(ranking_ptr + row.to(tl.int64) * max_pages + offs, rank, mask=offs < pc)
-    forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
-    limit = tl.where(total > K, pc, 0)  # candidates: full pages, and only if not all pages fit
-    valid = (offs < limit) & ~forced
-    need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
-    chunk_winners(_orderkey(tl.where(valid, rank, 0.0)), valid, offs, need, (row * n_chunks + c).to(tl.int64),
-                  ckey_ptr, cidx_ptr, ccnt_ptr, M)
+    slot = (row * n_chunks + c).to(tl.int64)
+    if (c == 0) | (c * CH < pc):
+        lse2 = row_lse2(stats_ptr, row, n_sc, GP, BLOCK_K)
+        if c == 0:
+            g = tl.arange(0, GP)
+            tl.store(lse_ptr + row * G + g, lse2 * _LN2, mask=g < G)
+        offs = c * CH + tl.arange(0, CH)
+        rank = _rank_chunk(scores_ptr + row.to(tl.int64) * G * max_pages, offs, offs < pc, lse2, G, max_pages, CH,
+                           GP, RULE, GU)
+        tl.store(ranking_ptr + row.to(tl.int64) * max_pages + offs, rank, mask=offs < pc)
+        forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
+        limit = tl.where(total > K, pc, 0)  # candidates: full pages, and only if not all pages fit
+        valid = (offs < limit) & ~forced
+        need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
+        chunk_winners(_orderkey(tl.where(valid, rank, 0.0)), valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr,
+                      M)
+    else:  # a chunk past the row's full pages (a plan sized for longer rows): no winners, no passes
+        tl.store(ccnt_ptr + slot, 0)
     tl.debug_barrier()  # every thread's winners are written before the ticket is taken
     ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
     if ticket == n_chunks - 1:  # the last program of the row to arrive merges it

@@ -8,11 +8,14 @@ What runs where, per attention layer and step:
   FlashAttention those rows' key length as one token, binds each layer's summary store to its KV
   cache and prepares the plans the batch needs;
 - ``do_kv_cache_update``: vLLM's cache write, then the pages written get a new write generation;
-- ``forward``: vLLM's FlashAttention for every row (prefill, chunked prefill, short decode rows:
-  exactly stock), then for the LOCKS rows kvlocks' kernels: summaries of full pages built where
-  missing (eager steps) or for the page the new token filled (captured steps), then score ->
-  select -> attend (:class:`~kvlocks.plan.DecodePlan`) over vLLM's block table, written over those
-  rows' outputs.
+- ``forward``: a batch of single-token decodes (what vLLM's full CUDA graphs run) is attended by
+  kvlocks alone: the page each new token filled is built (and, outside a graph, every full page
+  whose summary is missing or stale), then score -> select -> attend
+  (:class:`~kvlocks.plan.DecodePlan`) over vLLM's block table for every row, written into the
+  output: LOCKS rows over their selected pages, rows that fit the budget over all their pages
+  (exact attention). Any other batch (prefill, chunked prefill, prefill mixed with decodes) runs
+  vLLM's FlashAttention for every row, exactly stock, then the LOCKS rows are attended by kvlocks
+  and overwritten.
 
 CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``. Batches of single-token decodes run in vLLM's full
 CUDA graphs (FlashAttention's own FA3 support is ``ALWAYS``; with this backend mixed batches run in
@@ -20,7 +23,7 @@ piecewise graphs, attention eagerly between them, as in vLLM's default FULL_AND_
 The captured path does no host sync and (debug checks off) allocates nothing: fixed-grid kernels
 over buffers made before capture (stores in the builder, plans per batch size in
 :class:`~kvlocks.integrations.vllm.cuda_step.PlanPool`); vLLM's eager warm-up run of each batch size
-launches them once first, so Triton compiles and autotunes outside capture.
+runs the same launches first, so Triton compiles and autotunes outside capture.
 
 Blocks: the backend asks vLLM for kernel blocks of ``page_size`` (16) tokens; any
 ``block_size`` that is a multiple of 16 works (vLLM splits its blocks into kernel blocks).
@@ -128,10 +131,15 @@ class LocksFlashAttentionImpl(_StockImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         step = getattr(attn_metadata, STEP_ATTR, None) if attn_metadata is not None else None
         if step is None or self.decoder is None:
-            return output
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise cuda_compat.VllmCompatError("kvlocks: quantized attention outputs (output_scale) are not supported "
+                                              "by the LOCKS backend")
+        if not step.uniform_decode:  # prefill or a mixed batch: FlashAttention for every row first
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         keys, values = cuda_compat.split_flash_kv_cache(kv_cache, self.num_kv_heads, self.head_size)
         captured = cuda_compat.is_capturing()
         if not captured:

@@ -2,10 +2,18 @@
 plans, and the eager / captured decode paths (see :mod:`kvlocks.integrations.vllm.cuda_backend`).
 
 Rows. A row is a *LOCKS row* when its query is one token (a decode step) and its pages do not all
-fit the budget (``ceil(seq_len / S) > k``). vLLM's FlashAttention runs for every row first, with
-the LOCKS rows' key length cut to one token (:func:`step_lens`: their FlashAttention output is
-discarded, and costs one key); then kvlocks' kernels attend the LOCKS rows, whose outputs replace
-those rows. Every other row is exactly stock FlashAttention.
+fit the budget (``ceil(seq_len / S) > k``). In a batch of single-token decodes only (the batches
+vLLM runs in its full CUDA graphs) FlashAttention does not run: kvlocks' plans attend every row,
+the LOCKS rows over their selected pages and the others over all their pages (the selection keeps
+every page of a row that fits the budget: exact attention, kvlocks' split-KV kernel). In any other
+batch (prefill, chunked prefill, mixed) vLLM's FlashAttention runs for every row, with the LOCKS
+rows' key length cut to one token (:func:`step_lens`: that output is discarded), and kvlocks'
+kernels then attend the LOCKS rows and overwrite them.
+
+Measured on the H200 (vLLM 0.26, Llama-3.1-8B shape, batch 1, 130K tokens, kernel times per step
+under torch.profiler): FlashAttention over the LOCKS rows' one key cost 410 us (12.8 us per layer:
+its forward and split combine) and the ``torch.where`` that merged the two outputs 68 us, of a
+7.50 ms step; both are gone from the decode path.
 
 Plans. :class:`~kvlocks.plan.DecodePlan` buffers depend on the batch size; :class:`PlanPool` keeps
 one plan per power-of-two batch up to a cap set by a memory budget (``KVLOCKS_VLLM_PLAN_GIB``,
@@ -166,7 +174,6 @@ class LocksDecoder:
         self.check = self.verify or env.flag("KVLOCKS_VLLM_CHECK")
         self.ignore_tags = env.flag("KVLOCKS_VLLM_IGNORE_TAGS")
         self._warned_trace = False
-        self._warm: set = set()  # (batch, width, dtype) whose captured-path kernels ran eagerly
         self.eager_steps = 0  # eager forwards that attended LOCKS rows (outside CUDA graphs; host count)
 
     def shape(self, width: int, dtype, device) -> tuple:
@@ -189,37 +196,63 @@ class LocksDecoder:
         return self.store
 
     def run(self, step: LocksStep, query, k_cache, v_cache, output, *, captured: bool) -> None:
-        """After FlashAttention wrote ``output [T, Hq, D]``: overwrite the LOCKS rows."""
+        """Uniform single-token decode (``step.uniform_decode``, the CUDA-graph case): every row is
+        attended here and written into ``output [T, Hq, D]`` (FlashAttention did not run): LOCKS rows
+        over their selected pages, the others over all their pages (they fit the budget, so the
+        selection keeps every page: exact attention). Otherwise (mixed batches, eager only)
+        FlashAttention wrote every row and the LOCKS rows are overwritten."""
         if captured:
-            self._captured(step, query, k_cache, v_cache, output)
+            if not step.uniform_decode:
+                raise VllmCompatError("kvlocks: a CUDA graph was captured for a batch that is not uniform "
+                                      "single-token decode; the LOCKS backend declares UNIFORM_SINGLE_TOKEN_DECODE "
+                                      "support")
+            if self.trace_path and not self._warned_trace:
+                log.warning("kvlocks: KVLOCKS_VLLM_TRACE records eager steps only; CUDA-graph steps are not traced "
+                            "(run with enforce_eager=True to trace every step)")
+                self._warned_trace = True
+            self._decode(step, query, k_cache, v_cache, output, check=self.check, create=False)
+        elif step.uniform_decode:
+            self._eager_decode(step, query, k_cache, v_cache, output)
         else:
-            self._eager(step, query, k_cache, v_cache, output)
+            self._eager_mixed(step, query, k_cache, v_cache, output)
 
-    def _captured(self, step, query, k_cache, v_cache, output, *, warm: bool = False) -> None:
-        """Inside a CUDA graph: fixed grids, no host sync, plans prepared before capture. ``warm``:
-        an eager run of the same launches before capture (no counting, no trace warning)."""
-        if not step.uniform_decode:
-            raise VllmCompatError("kvlocks: a CUDA graph was captured for a batch that is not uniform single-token "
-                                  "decode; the LOCKS backend declares UNIFORM_SINGLE_TOKEN_DECODE support")
-        if self.trace_path and not self._warned_trace and not warm:
-            log.warning("kvlocks: KVLOCKS_VLLM_TRACE records eager steps only; CUDA-graph steps are not traced "
-                        "(run with enforce_eager=True to trace every step)")
-            self._warned_trace = True
+    def _decode(self, step, query, k_cache, v_cache, output, *, check: bool, create: bool, trace=None) -> None:
+        """Every row of a uniform decode batch (token r = row r) through the plans, into ``output``.
+        Fixed grids, no host sync, no allocation when the plans exist (``create=False``: the
+        captured path). The page each row's new token filled is built first. ``trace``:
+        ``(lens_host, built)`` of an eager step, to record the LOCKS rows' pages."""
         store, b = self.store, step.num_reqs
         store.build_new(k_cache, step.block_table, step.seq_lens)
-        if self.check and not warm:
+        if check:
             store.check_tags(step.block_table, step.locks_lens)
             store.verify_used(k_cache, step.block_table, step.locks_lens)
         shape = self.shape(step.block_table.shape[1], query.dtype, query.device)
         for start, size in self.pool.chunks(shape, b):
             sl = slice(start, start + size)
-            plan = self.pool.get(shape, size, create=False)
-            out, _ = plan.run(query[sl], k_cache, v_cache, store.summaries, step.block_table[sl], step.locks_lens[sl])
-            dst = output[sl]
-            torch.where(step.sparse[sl, None, None], out, dst, out=dst)
+            plan = self.pool.get(shape, size, create=create)
+            plan.run(query[sl], k_cache, v_cache, store.summaries, step.block_table[sl], step.seq_lens[sl],
+                     out=output[sl])
+            if trace is not None:
+                self._trace_rows(step, query, sl, plan.pages, *trace)
 
-    def _eager(self, step, query, k_cache, v_cache, output) -> None:
-        """Outside a graph: make every full page valid (host sync), then attend the LOCKS rows."""
+    def _eager_decode(self, step, query, k_cache, v_cache, output) -> None:
+        """A uniform decode step outside a graph: make every full page valid (host sync), then the
+        captured path's launches (which also compiles them before vLLM captures this batch size)."""
+        store, b = self.store, step.num_reqs
+        lens_host = step.seq_lens.cpu()
+        built = store.ensure(k_cache, step.block_table, step.seq_lens, int(lens_host.max()) if b else 0)
+        if self.check:
+            store.check_tags(step.block_table, step.locks_lens)
+            store.verify_used(k_cache, step.block_table, step.locks_lens,
+                              width=max(1, int(lens_host.max()) // self.config.page_size) if b else 1)
+        if bool(step.sparse.any()):
+            self.eager_steps += 1
+        self._decode(step, query, k_cache, v_cache, output, check=False, create=True,
+                     trace=(lens_host, built) if self.trace_path else None)
+
+    def _eager_mixed(self, step, query, k_cache, v_cache, output) -> None:
+        """A mixed batch (FlashAttention ran for every row): make every full page valid (host sync),
+        then attend the LOCKS rows and overwrite their outputs."""
         store, b = self.store, step.num_reqs
         lens_host = step.seq_lens.cpu()
         built = store.ensure(k_cache, step.block_table, step.seq_lens, int(lens_host.max()) if b else 0)
@@ -227,11 +260,6 @@ class LocksDecoder:
             store.check_tags(step.block_table, step.locks_lens)
             store.verify_used(k_cache, step.block_table, step.locks_lens,
                               width=max(1, int(lens_host.max()) // self.config.page_size))
-        if step.uniform_decode and (key := (b, step.block_table.shape[1], query.dtype)) not in self._warm:
-            # vLLM runs each batch size eagerly before capturing it: launch the captured path's kernels
-            # once now (on a scratch output), so Triton compiles and autotunes them outside capture
-            self._captured(step, query, k_cache, v_cache, output.clone(), warm=True)
-            self._warm.add(key)
         rows = step.sparse.cpu().nonzero().flatten()
         if not rows.numel():
             return
@@ -246,8 +274,19 @@ class LocksDecoder:
             out, _ = plan.run(q[sl], k_cache, v_cache, store.summaries, bt[sl], lens[sl])
             output[tok[sl]] = out
             if self.trace_path:
-                ref_pages, ranking = self._reference(q[sl], store, bt[sl], lens[sl])
+                ref_pages, ranking = self._reference(q[sl], self.store, bt[sl], lens[sl])
                 self._trace(rows[sl], lens_host, bt[sl, 0], plan.pages, built, ref_pages, ranking)
+
+    def _trace_rows(self, step, query, sl, pages, lens_host, built) -> None:
+        """Trace the LOCKS rows of chunk ``sl`` of a uniform decode step (row r = token r)."""
+        sparse = step.sparse[sl].cpu()
+        if not bool(sparse.any()):
+            return
+        local = sparse.nonzero().flatten()
+        dev = local.to(query.device)
+        q, bt, lens = query[sl][dev], step.block_table[sl][dev], step.seq_lens[sl][dev]
+        ref_pages, ranking = self._reference(q, self.store, bt, lens)
+        self._trace(local + sl.start, lens_host, bt[:, 0], pages[dev], built, ref_pages, ranking)
 
     def _reference(self, q, store, block_table, lens):
         """The PyTorch reference's selection and combined ranking on the same query and summaries
