@@ -173,3 +173,33 @@ def test_locks_rerank_method_sets_the_default_candidate_multiple_and_forks_with_
     fork = cache.fork()
     assert fork.method == "locks_rerank" and fork.config.rerank == DEFAULT_RERANK
     assert cache.fork(method="locks", config=LocksConfig(budget=64)).config.rerank == 0
+
+
+@pytest.mark.parametrize("g,rule,dtype,budget,mult", [
+    (1, "mean_share", torch.float32, 64, 4), (3, "max_share", torch.float32, 48, 2),
+    (4, "sum_mass", torch.bfloat16, 64, 4), (16, "mean_share", torch.bfloat16, 96, 8),
+    (3, "mean_share", torch.float32, 512, 4),  # more pages to choose than candidates: -1 padding
+])
+def test_rerank_kernels_choose_the_pytorch_reranks_pages(g, rule, dtype, budget, mult):
+    """The two re-rank launches (kvlocks.selection.triton_rerank) against the PyTorch operations
+    they replace (rerank_selected), on the real pipeline's inputs: summaries built from the keys,
+    Eq. 4 scores and per-head LSE, the candidates the selection picks at k' = M + sink + recent
+    (rows of 2 to 40 pages, partial last pages, a row shorter than the candidate count)."""
+    from kvlocks.plan import paged_score, paged_select
+    from kvlocks.selection.rerank_paged import rerank_selected
+    from kvlocks.selection.triton_rerank import rerank_pages
+
+    hkv, d = 2, 64
+    cfg = LocksConfig(budget=budget, rerank=mult, combine=rule)
+    lens = [40 * S, 23 * S + 5, 2 * S + 3, 9 * S]
+    q, k, v, table, seq, store = _paged_case(lens, hkv, g, d, cfg, seed=g)
+    q, k = q.to(dtype), k.to(dtype)
+    scores, lse, ranking = paged_score(q, store, table, seq, combine=rule, backend="torch")
+    width = table.shape[1]
+    kc = min(width, cfg.rerank_candidates(width) + cfg.sink_pages + cfg.recent_pages)
+    cand = paged_select(ranking, seq, page_size=S, k=kc, sink_pages=cfg.sink_pages, recent_pages=cfg.recent_pages,
+                        backend="torch").contiguous()
+    want = rerank_selected(q, k, table, seq, scores, lse, cand, cfg, scale=d ** -0.5)
+    got = rerank_pages(q, k, table, seq, scores, lse, cand, cfg, scale=d ** -0.5)
+    assert got.tolist() == want.tolist()
+    assert (got[2] >= 0).sum(-1).tolist() == [3, 3]  # the 3-page row: every page, then -1

@@ -47,6 +47,12 @@ BUILD_ARGS = {"k_ptr": "*bf16", "stride_kp": "i32", "stride_ks": "i32", "stride_
               "n_items": "i32", "Hkv": "i32", "bt_ptr": "*i32", "stride_bt": "i32", "basis_ptr": "*u8",
               "bscale_ptr": "*fp16", "coef_ptr": "*i8", "cscale_ptr": "*fp16", "cen_ptr": "*i8",
               "censcale_ptr": "*fp16", "eig_ptr": "*fp32", "n_sweeps": "i32", "floor2": "fp32"}
+EXACT_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr": "*bf16", "stride_kp": "i32",
+              "stride_ks": "i32", "stride_kh": "i32", "bt_ptr": "*i32", "stride_bt": "i32", "seqlen_ptr": "*i32",
+              "cand_ptr": "*i32", "scores_ptr": "*fp32", "exact_ptr": "*fp32", "est_ptr": "*fp32", "Hkv": "i32",
+              "G": "i32", "max_pages": "i32", "KC": "i32", "qk_scale": "fp32"}
+PICK_ARGS = {"seqlen_ptr": "*i32", "cand_ptr": "*i32", "exact_ptr": "*fp32", "est_ptr": "*fp32", "lse_ptr": "*fp32",
+             "out_ptr": "*i32", "Hkv": "i32", "G": "i32", "KC": "i32"}
 MERGE_KERNEL_ARGS = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32",
                      "stride_oh": "i32", "lse_ptr": "*fp32", "Hq": "i32", "n_splits": "i32"}
 
@@ -83,6 +89,7 @@ def main() -> None:
         assert "ld.global.cg" in ptx  # the merge reads other programs' winners past L1
     build_kernels()
     attention_kernels()
+    rerank_kernels()
     import triton
 
     print("triton", triton.__version__)
@@ -173,6 +180,24 @@ def attention_kernels() -> None:
                      **({"launch_pdl": True} if pdl else {}))
         assert ".target sm_90" in k.asm["ptx"]
         _check_pdl(k.asm["ptx"], pdl)
+
+
+def rerank_kernels() -> None:
+    """The exact re-rank's two kernels (the candidates' exact masses; the combine, top-k and sort), with
+    programmatic dependent launch as the decode plan launches them, for G = 4 and 16."""
+    import triton.language as tl
+
+    from kvlocks.selection import triton_rerank as rr
+
+    for g, rule in ((4, 0), (16, 2)):
+        k = _compile(rr._exact_kernel, EXACT_ARGS, dict(GP=16, D=128, S=16, PB=8, DOT_DT=tl.bfloat16,
+                                                        PRECISION="tf32", PDL=True), 4, launch_pdl=True)
+        assert ".target sm_90" in k.asm["ptx"] and ("mma" in k.asm["ptx"])
+        _check_pdl(k.asm["ptx"], True)
+        k = _compile(rr._pick_kernel, PICK_ARGS, dict(S=16, K=128, SINK=1, RECENT=1, GP=g, KP=512, RULE=rule,
+                                                      PDL=True), 8, launch_pdl=True)
+        assert ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 1000
+        _check_pdl(k.asm["ptx"], True)
 
 
 ROOT = Path(__file__).resolve().parents[1]

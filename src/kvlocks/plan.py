@@ -177,7 +177,7 @@ class DecodePlan:
         self.options = options or default_kernel_options()
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.k = config.pages_per_step
-        self.score_ws = self.select_ws = self.attend_ws = self.rerank_ws = None
+        self.score_ws = self.select_ws = self.attend_ws = self.rerank_ws = self.exact_ws = None
         if self.backend == "triton":
             from kvlocks.attention.triton import attention_workspace
             from kvlocks.scoring.triton import score_workspace
@@ -189,9 +189,12 @@ class DecodePlan:
             self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
                                                  launch=self.options.dense_launches[0])
             if config.rerank:  # the fused selection picks the candidates: k' = M + sink + recent pages
+                from kvlocks.selection.triton_rerank import rerank_workspace
+
                 self.k_cand = min(max_pages, config.rerank_candidates(max_pages) + config.sink_pages
                                   + config.recent_pages)
                 self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
+                self.exact_ws = rerank_workspace(batch, num_kv_heads, group, self.k_cand, self.k, device)
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None):
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``.
@@ -204,13 +207,14 @@ class DecodePlan:
             score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
                               workspace=self.score_ws, rank=False, options=opts)
             if c.rerank:  # the same launch picks the candidates; their exact masses pick the pages
-                from kvlocks.selection.rerank_paged import rerank_selected
+                from kvlocks.selection.triton_rerank import rerank_pages
 
                 cand = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k_cand,
                                        combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
                                        workspace=self.rerank_ws, options=opts)
-                self.pages = rerank_selected(queries, k_cache, block_table, seq_lens, self.score_ws.scores,
-                                             self.score_ws.lse, cand, c, scale=self.scale)
+                self.pages = rerank_pages(queries, k_cache, block_table, seq_lens, self.score_ws.scores,
+                                          self.score_ws.lse, cand, c, scale=self.scale, workspace=self.exact_ws,
+                                          options=opts)
             else:
                 self.pages = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k,
                                              combine=c.combine, sink_pages=c.sink_pages,
