@@ -17,7 +17,7 @@ every context, shortest first, and every batch size:
 Usage (on the GPU machine, vLLM staged)::
 
     python -m kvlocks_lab.bench.vllm_tpot --out DIR [--models llama3.1-8b glm4-9b-1m]
-        [--contexts 32768 131072 max] [--batches 1 4] [--new-tokens 64] [--budget 2048]
+        [--contexts 32768 131072 262144:1 max] [--batches 1 4] [--new-tokens 64] [--budget 2048]
 
 ``max`` is the longest context whose batch fits the KV pool (rounded down to 16K) and the model's
 positions, capped by ``--max-context``; a context past the positions (Llama's 128K with the new
@@ -67,13 +67,30 @@ def longest_context(cfg: dict, batch: int, total_bytes: int, new_tokens: int) ->
     return min(by_pool, by_positions)
 
 
+def parse_context(text: str, batches) -> tuple[str, list[int]]:
+    """``"CTX"`` or ``"CTX:B,B"`` (``CTX`` a token count or ``max``) -> (CTX, its batch sizes; the
+    ``--batches`` default when none are named)."""
+    ctx, _, bs = text.partition(":")
+    if ctx != "max" and not ctx.isdigit():
+        raise ValueError(f"context {text!r}: a token count or 'max', optionally ':' and batch sizes (e.g. 262144:1)")
+    try:
+        sizes = [int(b) for b in bs.split(",")] if bs else list(batches)
+    except ValueError:
+        raise ValueError(f"context {text!r}: batch sizes after ':' must be integers, e.g. 262144:1,2") from None
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"context {text!r}: every batch size must be >= 1")
+    return ctx, sizes
+
+
 def plan_cells(cfg: dict, contexts, batches, total_bytes: int, new_tokens: int, max_context: int) -> dict:
     """``{context: batch sizes}`` to run: ``"max"`` resolved per batch, contexts cut to the model's
-    positions, cells whose batch does not fit the KV pool (by the estimate) left out."""
+    positions, cells whose batch does not fit the KV pool (by the estimate) left out. A context may
+    name its own batch sizes (``"262144:1"``, :func:`parse_context`)."""
     positions = (cfg["max_position_embeddings"] - new_tokens - 16) // 1024 * 1024
     cells: dict = {}
-    for c in contexts:
-        for b in batches:
+    for text in contexts:
+        c, sizes = parse_context(str(text), batches)
+        for b in sizes:
             fit = longest_context(cfg, b, total_bytes, new_tokens)
             ctx = min(fit, max_context) if c == "max" else min(int(c), positions)
             if ctx <= fit + ROUND:
@@ -218,7 +235,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    ap.add_argument("--contexts", nargs="+", default=["32768", "131072", "max"])
+    ap.add_argument("--contexts", nargs="+", default=["32768", "131072", "max"],
+                    help="token counts or 'max', each optionally with its own batch sizes: 262144:1 (default: --batches)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -239,9 +257,11 @@ def main(argv=None) -> int:
         ap.error("--out is required")
     if args.new_tokens < 2 or any(b < 1 for b in args.batches):
         ap.error("--new-tokens must be >= 2 and every batch >= 1")
-    bad = [c for c in args.contexts if c != "max" and not c.isdigit()]
-    if bad:
-        ap.error(f"--contexts {bad}: token counts or 'max'")
+    for c in args.contexts:
+        try:
+            parse_context(c, args.batches)
+        except ValueError as exc:
+            ap.error(f"--contexts: {exc}")
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory
