@@ -14,6 +14,10 @@ def test_names_fall_in_their_classes():
     assert classify("_build_kernel") == "locks_build"
     assert classify("nvjet_tst_128x64_64x4") == "weights_gemm"
     assert classify("triton_red_fused_rms_norm_0") == "other"
+    assert classify("void vllm::reshape_and_cache_flash_kernel<...>") == "kv_write"
+    assert classify("triton_poi_fused_add_cat_index_select_mul_3") == "other"  # Inductor's, not the selection
+    assert classify("_exact_kernel") == classify("_pick_kernel") == "locks_rerank"
+    assert classify("_note_writes_kernel") == "locks_build"
 
 
 def test_per_step_is_the_difference_of_two_runs_over_the_extra_steps():

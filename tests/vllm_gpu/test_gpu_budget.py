@@ -14,7 +14,10 @@ from gpu_helpers import long_text, run_engine, save, tokenize
 
 from kvlocks.config import LocksConfig
 
-NEAR_TIE = 0.1  # nats between the two candidates in both engines' distributions (bf16 logit noise)
+# nats between the two candidates in both engines' distributions: the model's logits are bf16, whose
+# spacing is 0.125 for logits in [16, 32) and 0.25 in [32, 64), so this is one or two units of their
+# last place (measured on the H200: first differences at ties of 0.0 / 0.25 and 0.0 / 0.125 nats)
+NEAR_TIE = 0.25
 
 
 def first_differences(a: list, b: list, lp_a: list, lp_b: list) -> list[dict]:
@@ -50,6 +53,6 @@ def test_budget_covering_context_gives_flash_attention_tokens(tmp_path):
     save(tmp_path, "budget.json", {"stock": stock, "locks": locks, "identical_prompts": same, "differences": diffs})
     for d in diffs:
         assert d["margin_a"] is not None and d["margin_b"] is not None and \
-            abs(d["margin_a"]) < NEAR_TIE and abs(d["margin_b"]) < NEAR_TIE, d
+            abs(d["margin_a"]) <= NEAR_TIE and abs(d["margin_b"]) <= NEAR_TIE, d
     c = locks["counters"]
     assert c["layers"] == 30 and c["locks_rows"] == 0 and c["tag_mismatches"] == 0, c

@@ -98,7 +98,7 @@ def test_budget_256_selection_matches_reference_engine_and_graphs_match_eager(tm
     # keys differ only by the two projections' rounding) and drift deeper, as the two models' bf16
     # hidden states do; the pages that swap are near-ties: their gap under the engine's own ranking
     # is within 3x the RMS difference between the two engines' rankings on that head. Measured on
-    # the H200 (docs/results/2026-12-03-h200-vllm-cuda-tests): layer 0 14 of 15 lists identical,
+    # the H200 (docs/results/2026-12-04-h200-vllm-cuda-tests): layer 0 14 of 15 lists identical,
     # mean Jaccard 0.89, 282 of 301 swaps within the noise, the largest gap 0.016 (shares in [0, 1])
     assert agree >= 4, f"tokens diverge at step {agree}: vLLM {eager['tokens'][0]} engine {ref['tokens']}"
     summary = {k: v for k, v in cmp.items() if k != "swaps"}

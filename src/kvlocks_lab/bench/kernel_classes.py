@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 CLASSES = (
+    ("kv_write", ("reshape_and_cache",)),  # vLLM's cache write (its name says "flash": before flash_attn)
     ("flash_attn", ("flash",)),  # vLLM's FlashAttention 3 forward and its split combine
     ("locks_score", ("_score_", "score_kernel")),  # Triton kernels; the CUDA kernel (score_mma.cu)
-    ("locks_combine", ("_combine",)),
-    ("locks_select", ("_select", "_chunk_kernel")),  # fused combine + selection; the unfused chunk pass
-    ("locks_build", ("_build_kernel", "_build_")),
+    ("locks_combine", ("_combine_kernel",)),
+    ("locks_select", ("_rank_select_kernel", "_chunk_kernel")),  # fused combine + selection; the unfused pass
+    ("locks_rerank", ("_exact_kernel", "_pick_kernel")),  # the exact re-rank
+    ("locks_build", ("_build_kernel", "_mark_new_kernel", "_note_writes_kernel")),  # summaries and their tags
     ("attend", ("_attn_kernel", "_merge_kernel")),
     ("weights_gemm", ("gemv", "gemm", "cutlass", "xmma", "sm90_", "sm80_", "cublas", "splitk", "nvjet")),
 )
