@@ -76,6 +76,27 @@ def test_the_group_holding_a_needle_is_kept_and_its_page_selected():
     assert choose_pages(q, view, cfg, OracleSelector())[0].tolist() == [0, 19, 31]
 
 
+@pytest.mark.parametrize("n", [16 * 24, 16 * 27 + 5])
+def test_groups_then_pages_then_the_exact_rerank_compose(n):
+    """coarse groups -> page summaries -> exact re-rank: with every group kept and candidates covering
+    every page, the three stages give the exact oracle's selection; with one group kept per free
+    slot, the re-rank only chooses among the kept groups' pages (and the forced ones)."""
+    gen = torch.Generator().manual_seed(3)
+    keys, q = torch.randn(2, n, 32, generator=gen), torch.randn(2, 3, 32, generator=gen) * 2
+    view = _view(keys, LocksConfig(budget=64, rank=4))
+    every = LocksConfig(budget=64, rank=4, group_pages=4, group_keep=8, rerank=32)
+    oracle = choose_pages(q, view, LocksConfig(budget=64, rank=4), OracleSelector())
+    assert torch.equal(choose_pages(q, view, every, LocksSelector()), oracle)
+    tight = LocksConfig(budget=64, rank=4, group_pages=4, group_keep=1, rerank=4)
+    pages, groups = hierarchical_page_scores(q, keys, view.summaries, tight, scale=32 ** -0.5)
+    _, read = hierarchical_ranking(pages, groups, tight)
+    scored = torch.isfinite(read).any(dim=-2)  # [Hkv, Pc] pages whose summaries were read
+    total = -(-n // S)
+    for h, row in enumerate(choose_pages(q, view, tight, LocksSelector()).tolist()):
+        free = [p for p in row if p not in (0, total - 1)]
+        assert all(bool(scored[h, p]) for p in free), (h, row)
+
+
 def test_the_decode_plan_refuses_hierarchical_scoring():
     from kvlocks.plan import DecodePlan
 
