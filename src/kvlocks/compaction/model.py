@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from . import batched
 from .api import compact_layer
 from .capture import Capture, capture_queries, check_prefix_ids
 from .config import CompactionConfig
@@ -180,6 +181,63 @@ def fit_device(model) -> torch.device:
         return torch.device("cpu")
 
 
+FIT_BUDGET_CUDA = 16 * 2**30  # bytes of a chunk's float64 fit matrices on a GPU (at most a quarter of free memory)
+_FIT_BYTES_PER_HEAD_ROW_COL = 8 * 6  # float64 [n, t] matrices alive at once in a head's fit (logits, design, weights)
+
+
+def layer_chunks(capture: Capture, t: int, config: CompactionConfig, device) -> list[list[int]]:
+    """Consecutive layers whose KV heads are fitted together in one batched fit.
+
+    On a GPU a fit of one layer is a few hundred small launches (the bias solve's active-set
+    steps, the refits' factorisations) that take about as long for 3 heads as for 90: layers are
+    stacked head-wise while their float64 ``[heads, n, t]`` matrices stay within
+    ``FIT_BUDGET_CUDA`` (and a quarter of the free memory), and while their logit scales agree.
+    On the CPU, and for the per-head methods, one layer at a time.
+    """
+    layers = len(capture.keys)
+    if torch.device(device).type != "cuda" or not batched.supports(config) or t == capture.prefix_len:
+        return [[i] for i in range(layers)]
+    hkv, n = capture.queries[0].shape[0], min(capture.queries[0].shape[1], config.max_queries)
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    budget = min(FIT_BUDGET_CUDA, free // 4)
+    per_layer = hkv * n * t * _FIT_BYTES_PER_HEAD_ROW_COL
+    size = max(1, int(budget // max(per_layer, 1)))
+    chunks: list[list[int]] = []
+    for i in range(layers):
+        same = chunks and capture.scales[chunks[-1][0]] == capture.scales[i] and len(chunks[-1]) < size
+        if same:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def _fit_layers(capture: Capture, chunk: list[int], t: int, config: CompactionConfig, dev) -> list[tuple]:
+    """The layers of ``chunk`` compacted by one :func:`~.api.compact_layer` over their stacked KV
+    heads (each head's fit is independent: the result is every layer's own), split back per layer:
+    ``[(keys, values, beta, indices)]`` on the CPU."""
+    hkv = capture.keys[chunk[0]].shape[0]
+
+    def stack(tensors, **to):
+        return torch.cat([x.to(dev, **to) for x in tensors])
+
+    k = stack([capture.keys[i] for i in chunk], dtype=torch.float32)
+    v = stack([capture.values[i] for i in chunk], dtype=torch.float32)
+    q = stack([capture.queries[i] for i in chunk])
+    question = None if capture.questions is None else stack([capture.questions[i] for i in chunk])
+    try:
+        out = compact_layer(k, v, q, t, config, scale=capture.scales[chunk[0]], question=question)
+    except ValueError as exc:
+        msg = str(exc)
+        if msg.startswith("KV head "):  # a stacked head h is layer chunk[h // Hkv], head h % Hkv
+            h = int(msg.split()[2].rstrip(":"))
+            msg = f"KV head {h % hkv}:" + msg.split(":", 1)[1]
+            raise ValueError(f"layer {chunk[h // hkv]}: {msg}") from None
+        raise ValueError(f"layer {chunk[0]}" + (f"-{chunk[-1]}" if len(chunk) > 1 else "") + f": {exc}") from None
+    parts = [None if x is None else x.cpu().split(hkv) for x in (out.keys, out.values, out.beta, out.indices)]
+    return [tuple(None if p is None else p[j] for p in parts) for j in range(len(chunk))]
+
+
 def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int | None = None,
                     reference: ReferenceConfig | None = None, model_id: str | None = None,
                     progress: Callable[[str], None] | None = None) -> CompactedPrefix:
@@ -196,7 +254,7 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
         Recorded in the result (how the capture's passes were made).
     model_id : str, optional
     progress : callable(str), optional
-        Called before each layer.
+        Called before each layer, or each chunk of layers fitted together (:func:`layer_chunks`).
 
     Returns
     -------
@@ -212,23 +270,18 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
         raise ValueError(f"t={t!r}: must be an integer with 1 <= t <= T={num}")
     dev = fit_device(model)
     keys, values, betas, indices = [], [], [], []
-    for i, (k, v, q) in enumerate(zip(capture.keys, capture.values, capture.queries)):
+    for chunk in layer_chunks(capture, t, config, dev):
         if progress is not None:
-            progress(f"layer {i}")
+            progress(f"layer {chunk[0]}" if len(chunk) == 1 else f"layers {chunk[0]}-{chunk[-1]}")
         if t == num:
-            ck, cv, cb, ci = _identity_layer(k, v, config.method)
+            fitted = [_identity_layer(capture.keys[i], capture.values[i], config.method) for i in chunk]
         else:
-            try:
-                question = None if capture.questions is None else capture.questions[i].to(dev)
-                out = compact_layer(k.to(dev, torch.float32), v.to(dev, torch.float32), q.to(dev), t, config,
-                                    scale=capture.scales[i], question=question)
-            except ValueError as exc:
-                raise ValueError(f"layer {i}: {exc}") from None
-            ck, cv, cb, ci = (None if x is None else x.cpu() for x in (out.keys, out.values, out.beta, out.indices))
-        keys.append(ck)
-        values.append(cv)
-        betas.append(cb)
-        indices.append(ci)
+            fitted = _fit_layers(capture, chunk, t, config, dev)
+        for ck, cv, cb, ci in fitted:
+            keys.append(ck)
+            values.append(cv)
+            betas.append(cb)
+            indices.append(ci)
     seconds = capture.seconds + time.perf_counter() - start
     logger.info("compacted T=%d -> t=%d per head with %s in %.1f s", num, t, config.method, seconds)
     return CompactedPrefix(
