@@ -19,19 +19,30 @@ def _rows(n: int, cap: int, seed: int) -> torch.Tensor | None:
 
 
 class _PassRows:
-    """One pass's kept query rows as its chunks arrive (``keep``: row ids to keep, None: all)."""
+    """One pass's kept query rows as its chunks arrive (``keep``: row ids to keep, None: all).
+
+    Chunks stay on the queries' device until the pass ends (:meth:`result`: one copy to the CPU
+    per layer): a copy per attention call would synchronise the device 30 times per decode step.
+    """
 
     def __init__(self, keep: torch.Tensor | None) -> None:
         self.keep, self.chunks, self.pos = keep, {}, {}
+        self._keep_on: dict = {}  # device -> keep
 
     def add(self, layer: int, q: torch.Tensor, group: int) -> None:
         """``q`` [Hkv, L*G, D]: the next L tokens' query rows of ``layer``, token-major."""
         first = self.pos.get(layer, 0) * group
         self.pos[layer] = self.pos.get(layer, 0) + q.shape[1] // group
         if self.keep is not None:
-            inside = (self.keep >= first) & (self.keep < first + q.shape[1])
-            q = q[:, (self.keep[inside] - first).to(q.device)]
-        self.chunks.setdefault(layer, []).append(q.to("cpu", torch.float32))
+            lo = int(torch.searchsorted(self.keep, first))  # keep is sorted: its rows in [first, first + n)
+            hi = int(torch.searchsorted(self.keep, first + q.shape[1]))
+            keep = self._keep_on.setdefault(q.device, self.keep.to(q.device))
+            q = q[:, keep[lo:hi] - first]
+        self.chunks.setdefault(layer, []).append(q.to(torch.float32))
+
+    def result(self) -> dict[int, torch.Tensor]:
+        """Kept rows per layer, [Hkv, m, D] float32 on the CPU."""
+        return {layer: torch.cat(c, dim=1).cpu() for layer, c in self.chunks.items()}
 
 
 class QueryRecorder:
@@ -90,7 +101,7 @@ class QueryRecorder:
     def finish_passes(self, names: list[str]) -> None:
         """Close the passes started together, naming them in their batch order."""
         for name, rows in zip(names, self._rows, strict=True):
-            self.passes[name] = {layer: torch.cat(c, dim=1) for layer, c in rows.chunks.items()}
+            self.passes[name] = rows.result()
             self.counts[name] = max(rows.pos.values(), default=0) * self.group
         self.start_pass(0)
 
