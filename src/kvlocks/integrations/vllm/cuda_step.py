@@ -235,31 +235,33 @@ class LocksDecoder:
             if trace is not None:
                 self._trace_rows(step, query, sl, plan.pages, *trace)
 
-    def _eager_decode(self, step, query, k_cache, v_cache, output) -> None:
-        """A uniform decode step outside a graph: make every full page valid (host sync), then the
-        captured path's launches (which also compiles them before vLLM captures this batch size)."""
+    def _validate(self, step, k_cache):
+        """Outside a graph: build every full page whose summary is missing or stale (host sync) and
+        run the debug checks -> ``(lens_host, built)``."""
         store, b = self.store, step.num_reqs
         lens_host = step.seq_lens.cpu()
-        built = store.ensure(k_cache, step.block_table, step.seq_lens, int(lens_host.max()) if b else 0)
+        longest = int(lens_host.max()) if b else 0
+        built = store.ensure(k_cache, step.block_table, step.seq_lens, longest)
         if self.check:
             store.check_tags(step.block_table, step.locks_lens)
             store.verify_used(k_cache, step.block_table, step.locks_lens,
-                              width=max(1, int(lens_host.max()) // self.config.page_size) if b else 1)
+                              width=max(1, longest // self.config.page_size))
+        return lens_host, built
+
+    def _eager_decode(self, step, query, k_cache, v_cache, output) -> None:
+        """A uniform decode step outside a graph: make every full page valid, then the captured
+        path's launches (which also compiles them before vLLM captures this batch size)."""
+        lens_host, built = self._validate(step, k_cache)
         if bool(step.sparse.any()):
             self.eager_steps += 1
         self._decode(step, query, k_cache, v_cache, output, check=False, create=True,
                      trace=(lens_host, built) if self.trace_path else None)
 
     def _eager_mixed(self, step, query, k_cache, v_cache, output) -> None:
-        """A mixed batch (FlashAttention ran for every row): make every full page valid (host sync),
-        then attend the LOCKS rows and overwrite their outputs."""
-        store, b = self.store, step.num_reqs
-        lens_host = step.seq_lens.cpu()
-        built = store.ensure(k_cache, step.block_table, step.seq_lens, int(lens_host.max()) if b else 0)
-        if self.check:
-            store.check_tags(step.block_table, step.locks_lens)
-            store.verify_used(k_cache, step.block_table, step.locks_lens,
-                              width=max(1, int(lens_host.max()) // self.config.page_size))
+        """A mixed batch (FlashAttention ran for every row): make every full page valid, then
+        attend the LOCKS rows and overwrite their outputs."""
+        store = self.store
+        lens_host, built = self._validate(step, k_cache)
         rows = step.sparse.cpu().nonzero().flatten()
         if not rows.numel():
             return
