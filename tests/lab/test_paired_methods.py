@@ -1,0 +1,36 @@
+"""scripts/analysis/paired_methods.py: methods paired with a reference method record by record."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "analysis" / "paired_methods.py"
+
+
+def _row(task, index, method, budget, score, kl):
+    return {"task": task, "length": 2048, "index": index, "method": method, "budget": budget, "score": score,
+            "kl": kl}
+
+
+def test_pairs_by_record_and_pools_over_cells(tmp_path):
+    rows = []
+    for i in range(4):
+        rows += [_row("a", i, "full", None, 1.0, 0.0), _row("a", i, "oracle", 64, float(i < 2), 0.2),
+                 _row("a", i, "locks", 64, float(i < 1), 0.4)]
+    rows += [_row("b", 0, "oracle", 64, 1.0, 0.1), _row("b", 0, "locks", 64, 1.0, 0.3),
+             _row("b", 1, "locks", 64, 0.0, 0.3)]  # record 1 has no oracle row: not paired
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "paired.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "--methods", "locks", "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = {(r["task"], r["budget"]): r for r in json.loads(out.read_text())}
+    a, b, pooled = got[("a", 64)], got[("b", 64)], got[("all", 64)]
+    assert (a["n"], a["method"], a["reference"], a["diff"], a["full"]) == (4, 0.25, 0.5, -0.25, 1.0)
+    assert abs(a["kl_method"] - 0.4) < 1e-12 and abs(a["kl_reference"] - 0.2) < 1e-12
+    assert (b["n"], b["diff"], b["full"]) == (1, 0.0, None)
+    assert pooled["n"] == 5 and abs(pooled["diff"] - (-0.25 * 4 + 0.0) / 5) < 1e-12
+    assert pooled["low"] <= pooled["diff"] <= pooled["high"]
+    assert "| a | 2048 | 64 | locks | 4 | 100 | 25.0 | 50.0 | -25.0" in proc.stdout
