@@ -181,12 +181,12 @@ def test_locks_rerank_method_sets_the_default_candidate_multiple_and_forks_with_
     (3, "mean_share", torch.float32, 512, 4),  # more pages to choose than candidates: -1 padding
 ])
 def test_rerank_kernels_choose_the_pytorch_reranks_pages(g, rule, dtype, budget, mult):
-    """The two re-rank launches (kvlocks.selection.triton_rerank) against the PyTorch operations
-    they replace (rerank_selected), on the real pipeline's inputs: summaries built from the keys,
-    Eq. 4 scores and per-head LSE, the candidates the selection picks at k' = M + sink + recent
-    (rows of 2 to 40 pages, partial last pages, a row shorter than the candidate count)."""
+    """The two re-rank launches (kvlocks.selection.triton_rerank), given the candidates the selection
+    picks at k' = M + sink + recent, against the full-width PyTorch re-rank (paged_rerank, then
+    paged_select), on the real pipeline's inputs: summaries built from the keys, Eq. 4 scores and
+    per-head LSE (rows of 2 to 40 pages, partial last pages, a row shorter than the candidate count)."""
     from kvlocks.plan import paged_score, paged_select
-    from kvlocks.selection.rerank_paged import rerank_selected
+    from kvlocks.selection.rerank_paged import paged_rerank
     from kvlocks.selection.triton_rerank import rerank_pages
 
     hkv, d = 2, 64
@@ -199,7 +199,9 @@ def test_rerank_kernels_choose_the_pytorch_reranks_pages(g, rule, dtype, budget,
     kc = min(width, cfg.rerank_candidates(width) + cfg.sink_pages + cfg.recent_pages)
     cand = paged_select(ranking, seq, page_size=S, k=kc, sink_pages=cfg.sink_pages, recent_pages=cfg.recent_pages,
                         backend="torch").contiguous()
-    want = rerank_selected(q, k, table, seq, scores, lse, cand, cfg, scale=d ** -0.5)
+    ranking = paged_rerank(q, k, table, seq, scores, cfg, scale=d ** -0.5)
+    want = paged_select(ranking, seq, page_size=S, k=cfg.pages_per_step, sink_pages=cfg.sink_pages,
+                        recent_pages=cfg.recent_pages, backend="torch")
     got = rerank_pages(q, k, table, seq, scores, lse, cand, cfg, scale=d ** -0.5)
     assert got.tolist() == want.tolist()
     assert (got[2] >= 0).sum(-1).tolist() == [3, 3]  # the 3-page row: every page, then -1

@@ -12,9 +12,10 @@ launches, after the fused selection has picked ``k' = M + sink + recent`` candid
    ``tl.sort`` of 64-bit keys (order-preserving bits of the priority, then the candidate's
    position so that ties go to the lower page), a second of the chosen page ids.
 
-Same pages as :func:`kvlocks.selection.rerank_paged.rerank_selected` (the PyTorch operations it
-replaces, some twenty launches with ``[B, Hkv, k', S, D]`` intermediates), up to float rounding of
-the exact masses and the order of exactly tied masses. Fixed grids, no host synchronisation.
+Same pages as the full-width PyTorch re-rank (:func:`kvlocks.selection.rerank_paged.paged_rerank`,
+then :func:`kvlocks.plan.paged_select`), up to float rounding of the exact masses and the order of
+exactly tied masses: the combine's normalisers over all pages follow from the score pass's per-head
+log-sum-exp. Fixed grids, no host synchronisation.
 """
 
 from __future__ import annotations
@@ -155,8 +156,7 @@ def rerank_workspace(batch: int, num_kv_heads: int, group: int, k_cand: int, k: 
 def rerank_pages(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  scores: torch.Tensor, lse: torch.Tensor, cand: torch.Tensor, config: LocksConfig, *, scale: float,
                  workspace: RerankWorkspace | None = None, options: KernelOptions | None = None) -> torch.Tensor:
-    """The final pages from the fused selection's ``k'`` candidates: the same contract as
-    :func:`kvlocks.selection.rerank_paged.rerank_selected`, in two launches.
+    """The final pages from the fused selection's ``k'`` candidates, in two launches.
 
     queries ``[B, Hq, D]``; k_cache ``[NB, S, Hkv, D]``; block_table int32 ``[B, W]``; seq_lens int32
     ``[B]``; scores float32 ``[B, Hkv, G, W]`` and lse ``[B, Hkv, G]`` (the score pass and the fused

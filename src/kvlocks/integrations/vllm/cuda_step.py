@@ -10,10 +10,8 @@ batch (prefill, chunked prefill, mixed) vLLM's FlashAttention runs for every row
 rows' key length cut to one token (:func:`step_lens`: that output is discarded), and kvlocks'
 kernels then attend the LOCKS rows and overwrite them.
 
-Measured on the H200 (vLLM 0.26, Llama-3.1-8B shape, batch 1, 130K tokens, kernel times per step
-under torch.profiler): FlashAttention over the LOCKS rows' one key cost 410 us (12.8 us per layer:
-its forward and split combine) and the ``torch.where`` that merged the two outputs 68 us, of a
-7.50 ms step; both are gone from the decode path.
+(H200, Llama-3.1-8B shape, 130K x 1: FlashAttention over the LOCKS rows' one key and the merge of
+the two outputs took 413 us of a 7.50 ms step; docs/results/2026-12-04-h200-vllm-tpot.)
 
 Plans. :class:`~kvlocks.plan.DecodePlan` buffers depend on the batch size; :class:`PlanPool` keeps
 one plan per power-of-two batch up to a cap set by a memory budget (``KVLOCKS_VLLM_PLAN_GIB``,
