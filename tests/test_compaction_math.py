@@ -272,10 +272,12 @@ def test_drop_is_am_with_beta_zeroed_and_drop_refit_refits():
     assert torch.equal(drop.keys, am.keys) and torch.equal(drop.values, am.values)
     refit = compact_head(k, v, q, 8, cfg.replace(method="drop_refit"))
     target, _ = exact_attention(q, k, v)
-    np.testing.assert_allclose(refit.values.numpy(),
-                               refit_values(am.keys, q, target, ridge=cfg.ridge).numpy(), atol=1e-6)
+    np.testing.assert_allclose(refit.values.numpy(), refit_values(
+        am.keys, q, target, ridge=cfg.ridge, anchor=v[am.indices], anchor_weight=cfg.value_anchor).numpy(),
+        atol=1e-6)
     err = lambda h, b: (exact_attention(q, h.keys, h.values, bias=b)[0] - target).norm()  # noqa: E731
-    assert err(refit, None) <= err(drop, None) + 1e-6  # refit is the LS optimum without bias
+    plain = compact_head(k, v, q, 8, cfg.replace(method="drop_refit", value_anchor=0.0))
+    assert err(plain, None) <= err(drop, None) + 1e-6  # without the anchor: the LS optimum without bias
 
 
 def test_merge_duplicates_log_count_is_exact():

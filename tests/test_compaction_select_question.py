@@ -67,27 +67,36 @@ def test_question_slots():
     assert question_slots(7, 1.0) == 7 and question_slots(7, 0.0) == 0
 
 
-def _brute_force(scores, guard, t, g):
-    """Per head: the g best guard keys, then the t - g best scores of the rest (ties: lower position)."""
+def _brute_force(scores, guards, t):
+    """Per head: each guard's g best keys among those not yet taken, then the best scores of
+    the rest (ties: lower position)."""
     out = []
-    for s, u in zip(scores.tolist(), guard.tolist()):
-        first = sorted(range(len(u)), key=lambda i: (-u[i], i))[:g]
-        rest = sorted((i for i in range(len(s)) if i not in first), key=lambda i: (-s[i], i))[: t - g]
-        out.append(sorted(first + rest))
+    for h, s in enumerate(scores.tolist()):
+        taken: list[int] = []
+        for guard, g in guards:
+            u = guard[h].tolist()
+            taken += sorted((i for i in range(len(u)) if i not in taken), key=lambda i: (-u[i], i))[:g]
+        rest = sorted((i for i in range(len(s)) if i not in taken), key=lambda i: (-s[i], i))[: t - len(taken)]
+        out.append(sorted(taken + rest))
     return out
 
 
-@pytest.mark.parametrize("t,g", [(1, 0), (1, 1), (17, 5), (17, 17), (50, 12)])
-def test_guarded_top_t_matches_brute_force(t, g):
-    gen = torch.Generator().manual_seed(t * 100 + g)
+@pytest.mark.parametrize("t,g1,g2", [(1, 0, 0), (1, 1, 0), (1, 0, 1), (17, 5, 0), (17, 17, 0),
+                                     (17, 5, 7), (50, 12, 30), (20, 10, 10)])
+def test_guarded_top_t_matches_brute_force(t, g1, g2):
+    gen = torch.Generator().manual_seed(t * 100 + g1 * 10 + g2)
     scores = torch.rand(3, 50, generator=gen)
-    guard = torch.rand(3, 50, generator=gen)
-    scores[:, 10:14] = 0.5  # ties in both
-    guard[:, 20:25] = 0.25
-    assert guarded_top_t(scores, guard, t, g).tolist() == _brute_force(scores, guard, t, g)
-    assert guarded_top_t(scores, None, t, g).tolist() == _brute_force(scores, scores, t, 0)
-    with pytest.raises(ValueError, match="g="):
-        guarded_top_t(scores, guard, t, t + 1)
+    first = torch.rand(3, 50, generator=gen)
+    second = first.clone()  # overlapping preferences: the second guard must skip what the first took
+    second[:, ::2] = torch.rand(3, 25, generator=gen)
+    scores[:, 10:14] = 0.5  # ties in all three
+    first[:, 20:25] = 0.25
+    second[:, 30:35] = 0.75
+    guards = [(first, g1), (second, g2)]
+    assert guarded_top_t(scores, guards, t).tolist() == _brute_force(scores, guards, t)
+    assert guarded_top_t(scores, [(None, t)], t).tolist() == _brute_force(scores, [], t)
+    with pytest.raises(ValueError, match="sum to <= t"):
+        guarded_top_t(scores, [(first, t), (second, 1)], t)
 
 
 def _layer(heads: int = 2):
@@ -108,7 +117,7 @@ def test_question_pass_matches_the_reference():
 @pytest.mark.parametrize("method", ["fold", "am", "drop_refit"])
 def test_batched_and_per_head_paths_keep_the_planted_key(method):
     k, v, q, question = _layer()
-    cfg = CompactionConfig(method=method, question_share=0.2, max_queries=4096)
+    cfg = CompactionConfig(method=method, question_share=0.2, coverage_share=0.0, max_queries=4096)
     layer = compact_layer(k, v, q, 5, cfg, scale=1.0, question=question)  # batched path
     for h in range(2):
         assert layer.indices[h].tolist() == [0, 1, 2, 3, PLANTED]

@@ -69,17 +69,28 @@ def test_one_record_end_to_end(model_tok, tmp_path):
     record = generate("passkey", tok, 160, 1, seed=0)[0]
     args = argparse.Namespace(self_study_tokens=2, queries=["default", "question"], max_queries=128,
                               seed=0, methods=["am", "rank1", "fold"], query_methods=["fold"],
-                              ratios=[0.5])
+                              ratios=[0.5], selections=["guarded", "plain"])
     from kvlocks.compaction.model import model_info
 
     rows = retention.study_record(model, tok, record, args, model_info(model))
-    by = {(r["queries"], r["method"]): r for r in rows}
-    assert set(by) == {(None, "full"), ("default", "am"), ("default", "rank1"), ("default", "fold"),
-                       ("question", "fold")}
-    assert by[("default", "rank1")]["kl"] == pytest.approx(by[("default", "am")]["kl"], rel=1e-4, abs=1e-6)
-    assert by[("default", "rank1")]["prediction"] == by[("default", "am")]["prediction"]
+    by = {(r["queries"], r.get("selection"), r["method"]): r for r in rows}
+    assert set(by) == {(None, None, "full")} | {(q, sel, m) for sel in ("guarded", "plain")
+                                                 for q, m in [("default", "am"), ("default", "rank1"),
+                                                              ("default", "fold"), ("question", "fold")]}
+    for sel in ("guarded", "plain"):
+        am, r1 = by[("default", sel, "am")], by[("default", sel, "rank1")]
+        assert r1["kl"] == pytest.approx(am["kl"], rel=1e-4, abs=1e-6)
+        assert r1["prediction"] == am["prediction"]
     assert all(r["t"] == round(0.5 * r["T"]) for r in rows if r["method"] != "full")
     assert all(0.0 <= r["carriers_kept"] <= 1.0 for r in rows)
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = write_summary(tmp_path)
-    assert (tmp_path / "retention.png").stat().st_size > 0 and len(summary["cells"]) == 4
+    assert (tmp_path / "retention.png").stat().st_size > 0 and len(summary["cells"]) == 8
+
+
+def test_selection_entries():
+    assert retention.selection_fields("plain") == {"coverage_share": 0.0, "value_anchor": 0.0}
+    assert retention.selection_fields("guarded") == {}
+    assert retention.selection_fields("0.5:0.01") == {"coverage_share": 0.5, "value_anchor": 0.01}
+    with pytest.raises(ValueError, match="COVERAGE:ANCHOR"):
+        retention.selection_fields("0.5")

@@ -12,7 +12,7 @@ from kvlocks.commands._common import (
 
 
 def add_parser(sub) -> None:
-    from kvlocks.compaction.config import BIAS_SOLVERS, METHODS, SELECTIONS
+    from kvlocks.compaction.config import BIAS_SOLVERS, METHODS, SELECTIONS, CompactionConfig
 
     p = sub.add_parser("compact", help="compact the KV cache of a text prefix (AM, fold, ...) to a file")
     add_model_args(p)
@@ -28,6 +28,14 @@ def add_parser(sub) -> None:
     p.add_argument("--question", action="append", metavar="TEXT",
                    help="a question the compacted prefix will be asked (repeatable): its queries, and those "
                         "of the model's answer to it, join the reference queries, so the keys it needs are kept")
+    defaults = CompactionConfig()
+    p.add_argument("--coverage-share", type=float, default=defaults.coverage_share,
+                   help="share of each head's kept keys chosen by how unique their direction is (ridge "
+                        "leverage), which keeps facts no reference query reads; in [0, 1] "
+                        f"(default: {defaults.coverage_share:g})")
+    p.add_argument("--value-anchor", type=float, default=defaults.value_anchor,
+                   help="pull of each refit value towards the kept key's own value, >= 0; 0 refits freely "
+                        f"(default: {defaults.value_anchor:g})")
     p.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the input (default: all)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the text as a user turn of the chat template (and the reference prompts too)")
@@ -79,7 +87,8 @@ def run(args) -> int:
 
     config = CompactionConfig(method=args.method, ratio=args.ratio, selection=args.selection,
                               max_queries=args.max_queries, seed=args.seed,
-                              bias_solver=args.bias_solver)
+                              bias_solver=args.bias_solver, coverage_share=args.coverage_share,
+                              value_anchor=args.value_anchor)
     reference = ReferenceConfig(repeat=not args.no_repeat, self_study_tokens=args.self_study_tokens,
                                 chat=args.chat, questions=tuple(args.question or ()))
     if args.max_tokens is not None and args.max_tokens < 1:

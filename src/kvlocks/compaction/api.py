@@ -175,16 +175,18 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
     if method == "merge_fold":
         merged = merge_to_budget(k, v, q, t, threshold=config.merge_threshold, scale=s)
         fr = fold_head(merged.keys, merged.bias, q, target, scale=s, fold_lambda=config.fold_lambda,
-                       round_dtype=config.round_dtype, ridge=config.ridge)
+                       round_dtype=config.round_dtype, ridge=config.ridge, anchor=merged.values,
+                       anchor_weight=config.value_anchor)
         return CompactedHead(keys=fr.keys, values=fr.values, beta=None, indices=merged.indices,
                              u=fr.u, method=method, head_dim_out=d, fitted_bias=merged.bias)
 
     guard = None if question is None or config.question_share == 0 else question.detach().to(torch.float32)
     idx = select_keys(k, q, t, rule=config.selection, scale=s, question=guard,
-                      question_share=config.question_share)  # [t]
+                      question_share=config.question_share, coverage_share=config.coverage_share)  # [t]
     kept = k[idx]  # [t, D]
+    anchor = {"anchor": v[idx], "anchor_weight": config.value_anchor}  # pull towards the kept values
     if method == "drop_refit":
-        vals = refit_values(kept, q, target, scale=s, bias=None, ridge=config.ridge)
+        vals = refit_values(kept, q, target, scale=s, bias=None, ridge=config.ridge, **anchor)
         return CompactedHead(keys=kept, values=vals, beta=None, indices=idx, u=None,
                              method=method, head_dim_out=d)
 
@@ -192,10 +194,10 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
                     solver=config.bias_solver)  # [t]
     if method == "fold":
         fr = fold_head(kept, beta, q, target, scale=s, fold_lambda=config.fold_lambda,
-                       round_dtype=config.round_dtype, ridge=config.ridge)
+                       round_dtype=config.round_dtype, ridge=config.ridge, **anchor)
         return CompactedHead(keys=fr.keys, values=fr.values, beta=None, indices=idx, u=fr.u,
                              method=method, head_dim_out=d, fitted_bias=beta)
-    vals = refit_values(kept, q, target, scale=s, bias=beta, ridge=config.ridge)  # [t, Dv]
+    vals = refit_values(kept, q, target, scale=s, bias=beta, ridge=config.ridge, **anchor)  # [t, Dv]
     if method == "am":
         return CompactedHead(keys=kept, values=vals, beta=beta, indices=idx, u=None,
                              method=method, head_dim_out=d, fitted_bias=beta)

@@ -30,8 +30,9 @@ import torch
 from ._common import default_scale
 from .config import CompactionConfig
 from .fold import fold_keys
-from .select import guarded_top_t, question_scores, question_slots
+from .select import coverage_scores, guarded_top_t, question_scores, question_slots
 from .solvers import bounded_lstsq
+from .values import refit_weights as refit_batched
 
 BATCHED_METHODS = ("am", "fold", "drop", "drop_refit", "rank1")
 
@@ -105,36 +106,6 @@ def fold_directions(q: torch.Tensor, fold_lambda: float) -> torch.Tensor:
     return (sol / (mu * sol).sum(dim=1, keepdim=True)).to(torch.float32)
 
 
-def refit_batched(p: torch.Tensor, o: torch.Tensor, ridge: float) -> torch.Tensor:
-    """:func:`~.values.refit_values` of every head from its weights: p [H, n, t] float64
-    (softmax rows), o [H, n, Dv] -> values [H, t, Dv] float32. Ridge, Cholesky and the one
-    refinement step as there; a head whose factorisation fails takes the SVD path there."""
-    o = o.to(torch.float64)
-    t = p.shape[2]
-    if ridge == 0:
-        return torch.linalg.lstsq(p, o, driver="gelsd" if p.device.type == "cpu" else None
-                                  ).solution.to(torch.float32)
-    gram = p.transpose(1, 2) @ p  # [H, t, t]
-    lam = ridge * gram.diagonal(dim1=1, dim2=2).sum(dim=1) / t  # [H]
-    eye = torch.eye(t, dtype=torch.float64, device=p.device)
-    chol, info = torch.linalg.cholesky_ex(gram + lam[:, None, None] * eye)
-    rhs = p.transpose(1, 2) @ o  # [H, t, Dv]
-    sol = torch.cholesky_solve(rhs, chol)
-    res = p.transpose(1, 2) @ (o - p @ sol) - lam[:, None, None] * sol
-    sol = sol + torch.cholesky_solve(res, chol)
-    for h in (info != 0).nonzero().flatten().tolist():  # rank-deficient beyond the ridge
-        sol[h] = _svd_refit(p[h], o[h], float(lam[h]))
-    return sol.to(torch.float32)
-
-
-def _svd_refit(p: torch.Tensor, o: torch.Tensor, lam: float) -> torch.Tensor:
-    t = p.shape[1]
-    eye = torch.eye(t, dtype=torch.float64, device=p.device)
-    aug = torch.cat([p, math.sqrt(lam) * eye], dim=0)  # [n+t, t]
-    rhs = torch.cat([o, o.new_zeros(t, o.shape[1])], dim=0)  # [n+t, Dv]
-    return torch.linalg.lstsq(aug.cpu(), rhs.cpu(), driver="gelsd").solution.to(p.device)
-
-
 class _Clock:
     """Adds the seconds since the last mark to ``timings[stage]`` (no-op without a dict)."""
 
@@ -166,6 +137,9 @@ class LayerFit:
     question : Tensor [H, T], float32, or None
         Largest softmax weight of each key over the question's rows
         (:func:`~.select.question_scores`); None without questions.
+    coverage : Tensor [H, T], float32, or None
+        Ridge leverage of each key (:func:`~.select.coverage_scores`); None when
+        ``coverage_share`` is 0.
     """
 
     keys: torch.Tensor
@@ -177,6 +151,7 @@ class LayerFit:
     shift: torch.Tensor
     scale: float
     question: torch.Tensor | None = None
+    coverage: torch.Tensor | None = None
 
 
 def question_pass(k: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -200,8 +175,9 @@ def prepare_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     guard = None
     if question is not None and config.question_share > 0:
         guard = question_pass(k, question.detach().to(device=k.device, dtype=torch.float32), s)
+    cover = coverage_scores(k) if config.coverage_share > 0 else None
     return LayerFit(keys=k, values=v, queries=q, target=stack[0], scores=stack[1], z=stack[2],
-                    shift=stack[3], scale=s, question=guard)
+                    shift=stack[3], scale=s, question=guard, coverage=cover)
 
 
 def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: CompactionConfig,
@@ -224,10 +200,13 @@ def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: Co
     clock = _Clock(timings)
     k, q, s, target = fit.keys, fit.queries, fit.scale, fit.target
     heads, d = k.shape[0], k.shape[2]
-    g = question_slots(t, config.question_share) if fit.question is not None else 0
-    idx = guarded_top_t(fit.scores, fit.question, t, g).to(k.device)  # [H, t]
+    guards = [(fit.question, question_slots(t, config.question_share)),
+              (fit.coverage, question_slots(t, config.coverage_share))]
+    idx = guarded_top_t(fit.scores, guards, t).to(k.device)  # [H, t]
     clock("select")
     kept = k.gather(1, idx[..., None].expand(-1, -1, d))  # [H, t, D]
+    anchor = fit.values.gather(1, idx[..., None].expand(-1, -1, fit.values.shape[2]))  # [H, t, Dv]
+    pull = {"anchor": anchor, "anchor_weight": config.value_anchor}
     q64 = q.to(torch.float64)
     lk = (q64 @ kept.to(torch.float64).transpose(1, 2)).mul_(s)  # [H, n, t] kept logits
     base = {"indices": idx, "beta": None, "u": None, "fitted_bias": None}
@@ -235,7 +214,7 @@ def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: Co
     if "drop_refit" in methods:
         clock("design")
         out["drop_refit"] = {**base, "keys": kept,
-                             "values": refit_batched(torch.softmax(lk, dim=-1), target, config.ridge)}
+                             "values": refit_batched(torch.softmax(lk, dim=-1), target, config.ridge, **pull)}
         clock("values")
     if all(m == "drop_refit" for m in methods):
         return out
@@ -256,11 +235,11 @@ def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: Co
         lf = (q64 @ folded.to(torch.float64).transpose(1, 2)).mul_(s)  # [H, n, t]
         clock("fold")
         out["fold"] = {**base, "keys": folded, "u": u,
-                       "values": refit_batched(torch.softmax(lf, dim=-1), target, config.ridge)}
+                       "values": refit_batched(torch.softmax(lf, dim=-1), target, config.ridge, **pull)}
         clock("values")
     if any(m in ("am", "drop", "rank1") for m in methods):
         vals = refit_batched(torch.softmax(lk + beta.to(torch.float64)[:, None, :], dim=-1),
-                             target, config.ridge)  # [H, t, Dv]
+                             target, config.ridge, **pull)  # [H, t, Dv]
         clock("values")
         out["am"] = {**base, "keys": kept, "values": vals, "beta": beta}
         out["drop"] = {**base, "keys": kept, "values": vals}

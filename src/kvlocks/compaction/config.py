@@ -98,6 +98,14 @@ class CompactionConfig(ConfigIO):
         question's rows attend to most (largest max softmax weight over those rows), the rest
         by RMS; in [0, 1], 0 for none (:mod:`~kvlocks.compaction.select`). ``"attention"``
         selection only; without questions nothing changes. Default 0.25.
+    coverage_share : float
+        Share of each head's t slots kept for the keys of largest ridge leverage in key space
+        (facts no reference query reads; :mod:`~kvlocks.compaction.select`); in [0, 1], with
+        ``question_share + coverage_share <= 1``; 0 for none. Default 0.25.
+    value_anchor : float
+        Relative pull of each refit value towards the kept key's own value (merged keys: their
+        mean), >= 0 (:func:`~kvlocks.compaction.values.refit_values`); 0 for none. Default 1e-3.
+        Read from JSON, a file made before these two fields existed has both at 0.
     """
 
     ratio: float = 0.1
@@ -113,6 +121,8 @@ class CompactionConfig(ConfigIO):
     round_dtype: str = "bfloat16"
     bias_solver: str = "active_set"
     question_share: float = 0.25
+    coverage_share: float = 0.25
+    value_anchor: float = 1e-3
 
     def __post_init__(self) -> None:
         _check_real("ratio", self.ratio, 0.0, 1.0, low_open=True)
@@ -130,6 +140,11 @@ class CompactionConfig(ConfigIO):
         _check_choice("round_dtype", self.round_dtype, ROUND_DTYPES)
         _check_choice("bias_solver", self.bias_solver, BIAS_SOLVERS)
         _check_real("question_share", self.question_share, 0.0, 1.0)
+        _check_real("coverage_share", self.coverage_share, 0.0, 1.0)
+        if self.question_share + self.coverage_share > 1.0:
+            _fail("coverage_share", self.coverage_share,
+                  f"question_share + coverage_share must be <= 1 (question_share={self.question_share})")
+        _check_real("value_anchor", self.value_anchor, 0.0)
 
     @classmethod
     def _from_json_values(cls, data: dict) -> dict:
@@ -137,7 +152,7 @@ class CompactionConfig(ConfigIO):
         solver = data.get("bias_solver")
         if isinstance(solver, str) and solver in _SOLVER_SYNONYMS:
             data = {**data, "bias_solver": _SOLVER_SYNONYMS[solver]}
-        return data
+        return {"coverage_share": 0.0, "value_anchor": 0.0, **data}  # files made before they existed
 
     def budget(self, num_tokens: int) -> int:
         """Keys kept out of ``num_tokens``: ``max(1, round(ratio * num_tokens))``."""

@@ -168,7 +168,8 @@ class FoldResult:
 
 def fold_head(keys: torch.Tensor, beta: torch.Tensor, q: torch.Tensor, target: torch.Tensor, *,
               scale: float | None = None, fold_lambda: float = 1e-2,
-              round_dtype: str = "bfloat16", ridge: float = 1e-6) -> FoldResult:
+              round_dtype: str = "bfloat16", ridge: float = 1e-6,
+              anchor: torch.Tensor | None = None, anchor_weight: float = 0.0) -> FoldResult:
     """Fold a compacted head's bias into its keys and refit its values for a plain kernel.
 
     Parameters
@@ -181,7 +182,7 @@ def fold_head(keys: torch.Tensor, beta: torch.Tensor, q: torch.Tensor, target: t
         Context (reference) queries: give u and the value fit.
     target : Tensor [n, Dv]
         Full-cache attention outputs of ``q``, reproduced by the value refit.
-    scale, fold_lambda, round_dtype, ridge
+    scale, fold_lambda, round_dtype, ridge, anchor, anchor_weight
         See :func:`fold_keys`, :func:`fold_direction`, :func:`~.values.refit_values`.
 
     Returns
@@ -190,5 +191,6 @@ def fold_head(keys: torch.Tensor, beta: torch.Tensor, q: torch.Tensor, target: t
     """
     u = fold_direction(q, fold_lambda=fold_lambda)  # [D]
     folded = fold_keys(keys, beta, u, scale=scale, round_dtype=round_dtype)  # [t, D]
-    values = refit_values(folded, q, target, scale=scale, bias=None, ridge=ridge)  # [t, Dv]
+    values = refit_values(folded, q, target, scale=scale, bias=None, ridge=ridge,
+                          anchor=anchor, anchor_weight=anchor_weight)  # [t, Dv]
     return FoldResult(u=u, keys=folded, values=values)

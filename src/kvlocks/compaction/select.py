@@ -24,6 +24,11 @@ copies, read by a few heads for a few rows) below keys with broad mass. The guar
 softmax weight over the question's rows (:func:`question_scores`); the other t - g go to the
 best RMS scores among the rest (:func:`guarded_top_t`). Without question rows, or with share
 0, the selection is the plain top t.
+
+A second guard needs no question: ``coverage_share`` of the slots go to the keys of largest
+ridge leverage in key space (:func:`coverage_scores`), the keys a later query can single out
+whatever the reference queries read (a planted fact; docs/compaction.md, "Keys no reference
+query reads"). Guards take their slots first (question first), then RMS fills the rest.
 """
 
 from __future__ import annotations
@@ -96,46 +101,53 @@ def question_scores(keys: torch.Tensor, q: torch.Tensor, *, scale: float | None 
     return attention_weights(q, keys, scale=scale).amax(dim=0)
 
 
+def coverage_scores(keys: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+    """Ridge leverage of each key among its head's keys: keys [..., T, D] -> [..., T] float32,
+    ``k~_i^T (K~^T K~ + lam I)^{-1} k~_i`` with ``k~ = k - mean(k)`` and
+    ``lam = ridge * tr(K~^T K~) / D`` (ridge > 0); in [0, 1), summing to at most D."""
+    if not ridge > 0:
+        raise ValueError(f"ridge={ridge!r}: must be > 0")
+    k = keys.detach().to(torch.float64)
+    kc = k - k.mean(dim=-2, keepdim=True)
+    gram = kc.transpose(-1, -2) @ kc  # [..., D, D]
+    lam = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / gram.shape[-1] + torch.finfo(torch.float64).tiny
+    eye = torch.eye(gram.shape[-1], dtype=torch.float64, device=k.device)
+    sol = torch.linalg.solve(gram + lam[..., None, None] * eye, kc.transpose(-1, -2))  # [..., D, T]
+    return (kc * sol.transpose(-1, -2)).sum(-1).to(torch.float32)
+
+
 def question_slots(t: int, share: float) -> int:
-    """Slots of t reserved for the question's keys: ``min(t, round(share * t))``."""
+    """Slots of t reserved for a guard (question or coverage): ``min(t, round(share * t))``."""
     return min(t, round(share * t))
 
 
-def guarded_top_t(scores: torch.Tensor, guard: torch.Tensor | None, t: int, g: int) -> torch.Tensor:
-    """Top t of every head with the ``g`` best ``guard`` keys kept first (module docstring).
-
-    Parameters
-    ----------
-    scores : Tensor [H, T]
-        Main scores (RMS attention weight).
-    guard : Tensor [H, T] or None
-        Guard scores (:func:`question_scores`); None: no guard.
-    t : int
-        1 <= t <= T.
-    g : int
-        0 <= g <= t keys taken by ``guard`` first (ties to the lower position).
-
-    Returns
-    -------
-    Tensor [H, t], int64, each row sorted ascending: the g best by ``guard``, then the
-    t - g best by ``scores`` among the others (ties to the lower position).
-    """
-    if not 0 <= g <= t:
-        raise ValueError(f"g={g}: must satisfy 0 <= g <= t={t}")
+def guarded_top_t(scores: torch.Tensor, guards, t: int) -> torch.Tensor:
+    """Top t of every head with each guard's best keys kept first (module docstring):
+    scores [H, T]; guards, in priority order, ``(guard scores [H, T] or None, g)``, each taking
+    its g best keys among those no earlier guard took (the g sum to at most t <= T). Returns
+    [H, t] int64, rows ascending; ties go to the lower position."""
+    guards = [(x, g) for x, g in guards if x is not None and g > 0]
+    total = sum(g for _, g in guards)
+    if any(g < 0 for _, g in guards) or total > t:
+        raise ValueError(f"guard slots {[g for _, g in guards]}: must be >= 0 and sum to <= t={t}")
     s = scores.detach().to(torch.float64).cpu()
-    if guard is not None and g > 0:
+    if guards:
+        s = s.clone()
+    for guard, g in guards:
         if guard.shape != scores.shape:
             raise ValueError(f"guard shape {tuple(guard.shape)} must match scores {tuple(scores.shape)}")
-        order = torch.sort(-guard.detach().to(torch.float64).cpu(), dim=-1, stable=True).indices
-        s = s.clone().scatter_(-1, order[:, :g], math.inf)  # the g guarded keys win every comparison
+        u = guard.detach().to(torch.float64).cpu().masked_fill(s == math.inf, -math.inf)  # taken ones last
+        order = torch.sort(-u, dim=-1, stable=True).indices
+        s.scatter_(-1, order[:, :g], math.inf)  # the guarded keys win every comparison
     return torch.stack([top_t(s[h], t) for h in range(s.shape[0])])
 
 
 def select_attention(keys: torch.Tensor, q: torch.Tensor, t: int, *,
                      scale: float | None = None, question: torch.Tensor | None = None,
-                     question_share: float = 0.0) -> torch.Tensor:
+                     question_share: float = 0.0, coverage_share: float = 0.0) -> torch.Tensor:
     """Keep the t keys with the largest RMS attention weight (see :func:`attention_scores`),
-    ``question_slots(t, question_share)`` of them guarded for the question (module docstring).
+    ``question_slots(t, question_share)`` of them guarded for the question and
+    ``question_slots(t, coverage_share)`` for the keys of largest leverage (module docstring).
 
     Parameters
     ----------
@@ -146,18 +158,20 @@ def select_attention(keys: torch.Tensor, q: torch.Tensor, t: int, *,
     scale : float, optional
     question : Tensor [m, D], optional
         The question's query rows (also among ``q``); None: no guard.
-    question_share : float
-        Share of t guarded, in [0, 1].
+    question_share, coverage_share : float
+        Shares of t guarded, in [0, 1], summing to at most 1.
 
     Returns
     -------
     Tensor [t], int64, sorted ascending.
     """
     scores = attention_scores(keys, q, scale=scale)
-    if question is None:
-        return top_t(scores, t)
-    guard = question_scores(keys, question, scale=scale)
-    return guarded_top_t(scores[None], guard[None], t, question_slots(t, question_share))[0]
+    guards = []
+    if question is not None and question_share > 0:
+        guards.append((question_scores(keys, question, scale=scale)[None], question_slots(t, question_share)))
+    if coverage_share > 0:
+        guards.append((coverage_scores(keys)[None], question_slots(t, coverage_share)))
+    return guarded_top_t(scores[None], guards, t)[0]
 
 
 def select_omp(keys: torch.Tensor, q: torch.Tensor, t: int, *,
@@ -216,11 +230,12 @@ def select_omp(keys: torch.Tensor, q: torch.Tensor, t: int, *,
 
 def select_keys(keys: torch.Tensor, q: torch.Tensor, t: int, *, rule: str = "attention",
                 scale: float | None = None, question: torch.Tensor | None = None,
-                question_share: float = 0.0) -> torch.Tensor:
-    """Dispatch to :func:`select_attention` (``rule="attention"``, with the question guard) or
-    :func:`select_omp` (which scores the question's rows among the others, without a guard)."""
+                question_share: float = 0.0, coverage_share: float = 0.0) -> torch.Tensor:
+    """Dispatch to :func:`select_attention` (``rule="attention"``, with its guards) or
+    :func:`select_omp` (which scores the question's rows among the others, without guards)."""
     if rule == "attention":
-        return select_attention(keys, q, t, scale=scale, question=question, question_share=question_share)
+        return select_attention(keys, q, t, scale=scale, question=question, question_share=question_share,
+                                coverage_share=coverage_share)
     if rule == "omp":
         return select_omp(keys, q, t, scale=scale)
     raise ValueError(f"rule={rule!r}: allowed ('attention', 'omp')")

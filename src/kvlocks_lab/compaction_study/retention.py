@@ -20,6 +20,11 @@ compacted at every ratio with the set's methods sharing their fits
 full's answer tokens, the method's own greedy answer and its score. ``carriers_kept``: the
 share of (layer, KV head) that keep every context token of the answer (the needle's digits).
 
+Key selections (``--selections``): ``guarded``, the library's defaults (coverage guard and value
+anchor, :class:`~kvlocks.compaction.config.CompactionConfig`), ``plain``, AM's selection and
+refit as published (``coverage_share=0``, ``value_anchor=0``), or ``COVERAGE:ANCHOR`` for other
+values of the two; all share each layer's full pass.
+
 Writes ``DIR/records.jsonl`` (one row per record x query set x method x ratio, plus ``full``;
 a rerun skips the records already there), ``summary.json`` and ``retention.png``
 (:mod:`.retention_report`).
@@ -50,7 +55,20 @@ from .queries import full_cache
 
 FACTS_PROMPT = "List every number, code and name stated in the text above."
 QUERY_SETS = ("default", "facts", "question")
+SELECTIONS = {"guarded": {}, "plain": {"coverage_share": 0.0, "value_anchor": 0.0}}
 _DEFAULT_PASSES = ("context", "repeat", "self_study_0", "self_study_1", "self_study_2")
+
+
+def selection_fields(name: str) -> dict:
+    """CompactionConfig fields of a ``--selections`` entry (module docstring)."""
+    if name in SELECTIONS:
+        return SELECTIONS[name]
+    try:
+        cover, anchor = (float(x) for x in name.split(":"))
+    except ValueError:
+        raise ValueError(f"selection {name!r}: allowed {tuple(SELECTIONS)} or COVERAGE:ANCHOR "
+                         "(two numbers, e.g. 0.25:0.01)") from None
+    return {"coverage_share": cover, "value_anchor": anchor}
 
 
 def _eos(tok) -> set[int]:
@@ -132,29 +150,33 @@ def study_record(model, tok, record, args, info) -> list[dict]:
     for qs in args.queries:
         sub = cap.only(list(_DEFAULT_PASSES) + ([] if qs == "default" else [qs]))
         methods = tuple(args.methods) if qs == "default" else tuple(args.query_methods)
-        made = {r: {m: [] for m in methods} for r in args.ratios}
+        sels = {name: cfg.replace(**selection_fields(name)) for name in args.selections}
+        made = {(sel, r): {m: [] for m in methods} for sel in sels for r in args.ratios}
         start = time.perf_counter()
         dev = model.device  # the fits run where the model does
         for layer in range(len(sub.keys)):
             question = None if sub.questions is None else sub.questions[layer].to(dev)
             fit = batched.prepare_layer(sub.keys[layer].to(dev), sub.values[layer].to(dev),
                                         sub.queries[layer].to(dev), cfg, sub.scales[layer], question=question)
-            for r in args.ratios:
-                for m, out in batched.compact_prepared(fit, cfg.replace(ratio=r).budget(num), methods, cfg).items():
-                    made[r][m].append(out)
+            for sel, scfg in sels.items():
+                f = fit if scfg.coverage_share > 0 else dataclasses.replace(fit, coverage=None)
+                for r in args.ratios:
+                    for m, out in batched.compact_prepared(f, scfg.replace(ratio=r).budget(num), methods,
+                                                           scfg).items():
+                        made[(sel, r)][m].append(out)
         fit_s = time.perf_counter() - start
-        for r in args.ratios:
+        for (sel, r), by_method in made.items():
             t = cfg.replace(ratio=r).budget(num)
             for m in methods:
-                prefix = _prefix(made[r][m], m, num, t, cfg, info)
+                prefix = _prefix(by_method[m], m, num, t, sels[sel], info)
                 got = continue_record(model, lambda: to_cache(model, prefix), record.suffix_ids, answer,
                                       max_new_tokens=max_new, eos_ids=eos)
                 text = tok.decode([x for x in got.tokens if x not in eos], skip_special_tokens=True)
-                rows.append({**base, "queries": qs, "method": m, "ratio": r, "t": t,
+                rows.append({**base, "queries": qs, "selection": sel, "method": m, "ratio": r, "t": t,
                              "kl": float(f"{answer_kl(full_logp, got.logp):.5g}"),
                              "top1": float(top1_agreement(full_logp, got.logp).mean()),
                              "accuracy": score(record, text)["score"], "prediction": text,
-                             "carriers_kept": _kept_share(made[r][m], carriers),
+                             "carriers_kept": _kept_share(by_method[m], carriers),
                              "references": list(record.references),
                              "capture_s": round(capture_s, 2), "fits_s": round(fit_s, 2)})
     return rows
@@ -215,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--queries", type=_names, default=list(QUERY_SETS), help=f"subset of {QUERY_SETS}")
     p.add_argument("--query-methods", type=_names, default=["fold"],
                    help="methods with the other query sets")
+    p.add_argument("--selections", type=_names, default=list(SELECTIONS),
+                   help=f"key selections and refits compared: {tuple(SELECTIONS)} or COVERAGE:ANCHOR (module docstring)")
     p.add_argument("--max-queries", type=int, default=4096)
     p.add_argument("--self-study-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -224,6 +248,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if "default" not in args.queries or any(q not in QUERY_SETS for q in args.queries):
         p.error(f"--queries must include 'default' and be a subset of {QUERY_SETS}")
+    try:
+        if not args.selections:
+            raise ValueError("--selections is empty")
+        for name in args.selections:
+            CompactionConfig(**selection_fields(name))
+    except ValueError as exc:
+        p.error(str(exc))
     if args.rebuild:
         from .retention_report import write_summary
         write_summary(Path(args.out))

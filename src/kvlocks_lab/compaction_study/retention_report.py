@@ -1,8 +1,10 @@
 """Summary and plot of the retention run (:mod:`.retention`), made from its ``records.jsonl``.
 
-``summary.json``: per task, full's accuracy; per (task, query set, method, ratio) the number of
+``summary.json``: per task, full's accuracy; per (task, query set, selection, method, ratio) the
+number of
 records, mean accuracy, mean KL, mean top-1 agreement and mean ``carriers_kept``, and the
-accuracy difference to full with a paired bootstrap 95 % interval over records.
+accuracy difference to full with a paired bootstrap 95 % interval over records. Rows without a
+``selection`` (runs made before the coverage guard and the value anchor existed) are ``plain``.
 ``retention.png``: accuracy (top) and KL (bottom) against the ratio, one column per task.
 """
 
@@ -36,11 +38,11 @@ def aggregate(rows: list[dict]) -> dict:
     cells = defaultdict(list)
     for r in rows:
         if r["method"] != "full":
-            cells[(r["task"], r["queries"], r["method"], r["ratio"])].append(r)
+            cells[(r["task"], r["queries"], r.get("selection", "plain"), r["method"], r["ratio"])].append(r)
     out = []
-    for (task, qs, m, ratio), rs in sorted(cells.items(), key=lambda x: (x[0][0], x[0][1], x[0][2], -x[0][3])):
+    for (task, qs, sel, m, ratio), rs in sorted(cells.items(), key=lambda x: (*x[0][:4], -x[0][4])):
         diffs = [r["accuracy"] - full[(task, r["index"])] for r in rs]
-        out.append({"task": task, "queries": qs, "method": m, "ratio": ratio, "t": rs[0]["t"],
+        out.append({"task": task, "queries": qs, "selection": sel, "method": m, "ratio": ratio, "t": rs[0]["t"],
                     "n": len(rs), "accuracy": _mean(r["accuracy"] for r in rs),
                     "full_accuracy": _mean(full[(task, r["index"])] for r in rs),
                     "minus_full": _mean(diffs), "minus_full_ci95": _paired_ci(diffs),
@@ -60,17 +62,17 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7), squeeze=False)
     lines = defaultdict(list)
     for c in summary["cells"]:
-        lines[(c["task"], c["queries"], c["method"])].append(c)
+        lines[(c["task"], c["queries"], c.get("selection", "plain"), c["method"])].append(c)
     for j, task in enumerate(tasks):
         top, bottom = axes[0][j], axes[1][j]
         top.axhline(100 * summary["full"][task]["accuracy"], color="k", lw=1, label="full (original context)")
-        for (tk, qs, m), cs in sorted(lines.items()):
+        for (tk, qs, sel, m), cs in sorted(lines.items()):
             if tk != task:
                 continue
             cs = sorted(cs, key=lambda c: c["ratio"])
             x = [c["ratio"] for c in cs]
             style = "-" if qs == "default" else ("--" if qs == "question" else ":")
-            label = m if qs == "default" else f"{m}, +{qs} queries"
+            label = (m if qs == "default" else f"{m}, +{qs} queries") + ("" if sel == "guarded" else f" ({sel})")
             top.plot(x, [100 * c["accuracy"] for c in cs], style, marker="o", label=label)
             bottom.plot(x, [c["kl"] for c in cs], style, marker="o", label=label)
         ratios = sorted({c["ratio"] for c in summary["cells"] if c["task"] == task})
