@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     defaults = CompactionConfig()
     p.add_argument("--coverage-share", type=float, default=defaults.coverage_share,
                    help="share of each head's kept keys chosen by how unique their direction is (ridge "
-                        "leverage), which keeps facts no reference query reads; in [0, 1] "
+                        "leverage), which keeps facts no reference query reads; in [0, "
+                        f"{1 - defaults.question_share:g}] (--question's guard keeps {defaults.question_share:g}) "
                         f"(default: {defaults.coverage_share:g})")
     p.add_argument("--value-anchor", type=float, default=defaults.value_anchor,
                    help="pull of each refit value towards the kept key's own value, >= 0; 0 refits freely "

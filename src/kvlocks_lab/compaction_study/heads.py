@@ -23,7 +23,7 @@ from kvlocks.compaction.bias import fit_bias
 from kvlocks.compaction.config import METHODS, CompactionConfig
 from kvlocks.compaction.fold import fold_head
 from kvlocks.compaction.rank1 import augment_keys
-from kvlocks.compaction.select import attention_scores, select_keys, top_t
+from kvlocks.compaction.select import attention_scores, coverage_scores, guarded_top_t, question_slots, select_keys
 from kvlocks.compaction.values import exact_attention, refit_values
 
 _NEEDS_BETA = ("am", "fold", "drop", "rank1")
@@ -99,6 +99,12 @@ def prepare_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
                    seconds=time.perf_counter() - start)
 
 
+def _guarded(scores: torch.Tensor, keys: torch.Tensor, t: int, share: float) -> torch.Tensor:
+    """:func:`~kvlocks.compaction.select.select_attention`'s keys from precomputed RMS scores."""
+    guards = [(coverage_scores(keys)[None], question_slots(t, share))] if share > 0 else []
+    return guarded_top_t(scores[None], guards, t)[0]
+
+
 def _timed(spent: dict, name: str, fn, *args, **kwargs):
     start = time.perf_counter()
     out = fn(*args, **kwargs)
@@ -140,17 +146,19 @@ def compact_methods(fit: HeadFit, t: int, methods: tuple[str, ...],
     plain = [m for m in methods if m != "merge_fold"]
     if not plain:
         return MethodHeads(heads=heads, seconds=own)
-    if fit.scores is not None:
-        idx = _timed(spent, "select", top_t, fit.scores, t)  # [t], as select_attention
+    if fit.scores is not None:  # [t], as select_attention
+        idx = _timed(spent, "select", _guarded, fit.scores, k, t, config.coverage_share)
     else:
-        idx = _timed(spent, "select", select_keys, k, q, t, rule=config.selection, scale=s)
+        idx = _timed(spent, "select", select_keys, k, q, t, rule=config.selection, scale=s,
+                     coverage_share=config.coverage_share)
     kept = k[idx]  # [t, D]
+    anchor = {"ridge": config.ridge, "anchor": v[idx], "anchor_weight": config.value_anchor}
     if any(m in _NEEDS_BETA for m in plain):
         beta = _timed(spent, "beta", fit_bias, k, idx, q, scale=s, beta_min=config.beta_min,
                       beta_max=config.beta_max, solver=config.bias_solver)  # [t]
     if any(m in _NEEDS_AM_VALUES for m in plain):
         am_values = _timed(spent, "am_values", refit_values, kept, q, fit.target, scale=s,
-                           bias=beta, ridge=config.ridge)  # [t, Dv]
+                           bias=beta, **anchor)  # [t, Dv]
     d = k.shape[1]
     for m in plain:
         common = dict(indices=idx, method=m, head_dim_out=d)
@@ -166,13 +174,11 @@ def compact_methods(fit: HeadFit, t: int, methods: tuple[str, ...],
                                      fitted_bias=beta)
         elif m == "fold":
             fr = _timed(spent, "fold", fold_head, kept, beta, q, fit.target, scale=s,
-                        fold_lambda=config.fold_lambda, round_dtype=config.round_dtype,
-                        ridge=config.ridge)
+                        fold_lambda=config.fold_lambda, round_dtype=config.round_dtype, **anchor)
             heads[m] = CompactedHead(keys=fr.keys, values=fr.values, beta=None, u=fr.u,
                                      fitted_bias=beta, **common)
         else:  # drop_refit
-            vals = _timed(spent, "refit", refit_values, kept, q, fit.target, scale=s, bias=None,
-                          ridge=config.ridge)
+            vals = _timed(spent, "refit", refit_values, kept, q, fit.target, scale=s, bias=None, **anchor)
             heads[m] = CompactedHead(keys=kept, values=vals, beta=None, u=None, **common)
     base = fit.seconds + spent["select"]
     for m in plain:
