@@ -12,7 +12,7 @@ from kvlocks.compaction.api import compact_head, compact_layer
 from kvlocks.compaction.batched import prepare_layer, question_pass
 from kvlocks.compaction.capture import Capture
 from kvlocks.compaction.select import (
-    attention_scores, guarded_top_t, question_scores, question_slots, select_attention,
+    attention_scores, guarded_top_t, question_scores, guard_slots, select_attention,
 )
 
 PLANTED = 15
@@ -62,9 +62,9 @@ def test_guard_keeps_the_planted_key_and_plain_rms_drops_it():
     assert torch.equal(off, plain)
 
 
-def test_question_slots():
-    assert [question_slots(t, 0.25) for t in (1, 2, 4, 980, 392)] == [0, 0, 1, 245, 98]
-    assert question_slots(7, 1.0) == 7 and question_slots(7, 0.0) == 0
+def test_guard_slots():
+    assert [guard_slots(t, 0.25) for t in (1, 2, 4, 980, 392)] == [0, 0, 1, 245, 98]
+    assert guard_slots(7, 1.0) == 7 and guard_slots(7, 0.0) == 0
 
 
 def _brute_force(scores, guards, t):

@@ -30,7 +30,7 @@ from kvlocks.compaction import batched, exact_attention
 from kvlocks.compaction.capture import capture_queries
 from kvlocks.compaction.config import CompactionConfig
 from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
-from kvlocks.compaction.select import coverage_scores, guarded_top_t, question_slots
+from kvlocks.compaction.select import coverage_scores, guarded_top_t, guard_slots
 
 RULES = ("rms", "max", "leverage", "rms+leverage_0.25", "rms+leverage_0.5")
 
@@ -66,7 +66,7 @@ def carriers(args, model, tok) -> None:
                         for rule in RULES:
                             if "+" in rule:
                                 share = float(rule.rsplit("_", 1)[1])
-                                idx = guarded_top_t(score["rms"], [(score["leverage"], question_slots(t, share))], t)
+                                idx = guarded_top_t(score["rms"], [(score["leverage"], guard_slots(t, share))], t)
                             else:
                                 idx = guarded_top_t(score[rule], [], t)
                             hits.setdefault(f"{rule}@{r:g}", []).extend(_kept(idx, need))

@@ -30,7 +30,7 @@ import torch
 from ._common import default_scale
 from .config import CompactionConfig
 from .fold import fold_keys
-from .select import coverage_scores, guarded_top_t, question_scores, question_slots
+from .select import coverage_scores, guarded_top_t, question_scores, guard_slots
 from .solvers import bounded_lstsq
 from .values import refit_weights as refit_batched
 
@@ -200,8 +200,8 @@ def compact_prepared(fit: LayerFit, t: int, methods: tuple[str, ...], config: Co
     clock = _Clock(timings)
     k, q, s, target = fit.keys, fit.queries, fit.scale, fit.target
     heads, d = k.shape[0], k.shape[2]
-    guards = [(fit.question, question_slots(t, config.question_share)),
-              (fit.coverage, question_slots(t, config.coverage_share))]
+    guards = [(fit.question, guard_slots(t, config.question_share)),
+              (fit.coverage, guard_slots(t, config.coverage_share))]
     idx = guarded_top_t(fit.scores, guards, t).to(k.device)  # [H, t]
     clock("select")
     kept = k.gather(1, idx[..., None].expand(-1, -1, d))  # [H, t, D]

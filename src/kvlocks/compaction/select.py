@@ -20,7 +20,7 @@ Questions known when compacting (``kvlocks compact --question``) add a guard to 
 their rows and their answer's rows are a few dozen among thousands of reference queries, so
 RMS over all of them can rank a key that only those rows attend to (a planted fact the answer
 copies, read by a few heads for a few rows) below keys with broad mass. The guard reserves
-``g = question_slots(t, share)`` of a head's t slots for the keys with the largest *max*
+``g = guard_slots(t, share)`` of a head's t slots for the keys with the largest *max*
 softmax weight over the question's rows (:func:`question_scores`); the other t - g go to the
 best RMS scores among the rest (:func:`guarded_top_t`). Without question rows, or with share
 0, the selection is the plain top t.
@@ -116,7 +116,7 @@ def coverage_scores(keys: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
     return (kc * sol.transpose(-1, -2)).sum(-1).to(torch.float32)
 
 
-def question_slots(t: int, share: float) -> int:
+def guard_slots(t: int, share: float) -> int:
     """Slots of t reserved for a guard (question or coverage): ``min(t, round(share * t))``."""
     return min(t, round(share * t))
 
@@ -146,8 +146,8 @@ def select_attention(keys: torch.Tensor, q: torch.Tensor, t: int, *,
                      scale: float | None = None, question: torch.Tensor | None = None,
                      question_share: float = 0.0, coverage_share: float = 0.0) -> torch.Tensor:
     """Keep the t keys with the largest RMS attention weight (see :func:`attention_scores`),
-    ``question_slots(t, question_share)`` of them guarded for the question and
-    ``question_slots(t, coverage_share)`` for the keys of largest leverage (module docstring).
+    ``guard_slots(t, question_share)`` of them guarded for the question and
+    ``guard_slots(t, coverage_share)`` for the keys of largest leverage (module docstring).
 
     Parameters
     ----------
@@ -168,9 +168,9 @@ def select_attention(keys: torch.Tensor, q: torch.Tensor, t: int, *,
     scores = attention_scores(keys, q, scale=scale)
     guards = []
     if question is not None and question_share > 0:
-        guards.append((question_scores(keys, question, scale=scale)[None], question_slots(t, question_share)))
+        guards.append((question_scores(keys, question, scale=scale)[None], guard_slots(t, question_share)))
     if coverage_share > 0:
-        guards.append((coverage_scores(keys)[None], question_slots(t, coverage_share)))
+        guards.append((coverage_scores(keys)[None], guard_slots(t, coverage_share)))
     return guarded_top_t(scores[None], guards, t)[0]
 
 

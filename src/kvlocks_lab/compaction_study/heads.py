@@ -23,7 +23,7 @@ from kvlocks.compaction.bias import fit_bias
 from kvlocks.compaction.config import METHODS, CompactionConfig
 from kvlocks.compaction.fold import fold_head
 from kvlocks.compaction.rank1 import augment_keys
-from kvlocks.compaction.select import attention_scores, coverage_scores, guarded_top_t, question_slots, select_keys
+from kvlocks.compaction.select import attention_scores, coverage_scores, guarded_top_t, guard_slots, select_keys
 from kvlocks.compaction.values import exact_attention, refit_values
 
 _NEEDS_BETA = ("am", "fold", "drop", "rank1")
@@ -101,7 +101,7 @@ def prepare_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
 
 def _guarded(scores: torch.Tensor, keys: torch.Tensor, t: int, share: float) -> torch.Tensor:
     """:func:`~kvlocks.compaction.select.select_attention`'s keys from precomputed RMS scores."""
-    guards = [(coverage_scores(keys)[None], question_slots(t, share))] if share > 0 else []
+    guards = [(coverage_scores(keys)[None], guard_slots(t, share))] if share > 0 else []
     return guarded_top_t(scores[None], guards, t)[0]
 
 
