@@ -5,6 +5,8 @@ needle; the decode plan refuses it with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -103,3 +105,105 @@ def test_the_decode_plan_refuses_hierarchical_scoring():
     with pytest.raises(ValueError, match="group_pages=4: hierarchical scoring runs on the references only"):
         DecodePlan(batch=1, num_kv_heads=1, group=1, head_dim=64, max_pages=8, device="cpu", dtype=torch.float32,
                    config=LocksConfig(budget=64, group_pages=4), backend="torch")
+
+
+def _group_scores(gs, q, cfg):
+    return score_pages_from_summaries(q, gs, scale=q.shape[-1] ** -0.5)
+
+
+def test_the_store_builds_each_group_summary_once_as_its_pages_fill():
+    """Incremental group summaries (prefill, one-token decode appends, truncate, batch reindex,
+    fork) score exactly as summaries built from the stored keys at that moment."""
+    from kvlocks.cache.paged import PagedLayerStore
+
+    gen = torch.Generator().manual_seed(3)
+    cfg = LocksConfig(budget=64, rank=4, group_pages=2, group_rank=6)  # groups of 32 keys
+    store = PagedLayerStore(cfg, build=True)
+    q = torch.randn(2, 2, 3, 32, generator=gen)  # [B, Hkv, G, D]
+
+    def check():
+        n = store.length
+        assert store.groups.num_pages == n // 32
+        assert torch.equal(_group_scores(store.groups, q, cfg), _group_scores(group_summaries(store.keys, cfg), q, cfg))
+
+    store.append(torch.randn(2, 2, 75, 32, generator=gen), torch.randn(2, 2, 75, 32, generator=gen))
+    check()
+    built = store.groups
+    for _ in range(40):  # the group [64, 96) fills at the 21st step; the others are never rebuilt
+        store.append(torch.randn(2, 2, 1, 32, generator=gen), torch.randn(2, 2, 1, 32, generator=gen))
+        check()
+    assert torch.equal(store.groups.coef[..., :2, :, :], built.coef)
+    store.truncate(70)
+    check()
+    store.index_batch(torch.tensor([1, 1, 0]))
+    q = q[[1, 1, 0]]
+    check()
+    same = store.fork(cfg, build=True)
+    assert same.groups is store.groups
+    other = store.fork(dataclasses.replace(cfg, group_pages=4), build=True)  # groups of 64 keys, built from the keys
+    assert other.groups.num_pages == 1 and other.summaries is store.summaries
+    flat = store.fork(dataclasses.replace(cfg, group_pages=0), build=True)
+    assert flat.groups is None
+
+
+def test_hf_cache_reads_the_stores_group_summaries():
+    """Decoding with the cache's incremental group summaries gives the same logits as building them
+    from the keys at every step (the reference), and each group is summarised once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvlocks.cache.paged import PagedLayerStore
+    from kvlocks.integrations.hf import LocksCache, enable
+    from kvlocks.integrations.hf_decode import prefill, step
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)).eval()
+    enable(model)
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(4))
+    cfg = LocksConfig(budget=48, rank=4, group_pages=2, group_keep=1)  # 9 full pages, 4 groups: 1 kept
+
+    def run():
+        cache = LocksCache(model.config, method="locks", config=cfg, backend="torch")
+        logits = [prefill(model, cache, ids)]
+        for _ in range(24):
+            logits.append(step(model, cache, int(torch.argmax(logits[-1]))))
+        return torch.stack([x.float() for x in logits]), cache
+
+    kept, cache = run()
+    assert all(layer.store.groups.num_pages == (150 + 24) // 32 for layer in cache.layers)
+    original = PagedLayerStore._build_new_groups
+    try:
+        PagedLayerStore._build_new_groups = lambda self: None  # no stored groups: built from the keys
+        rebuilt, cache = run()
+    finally:
+        PagedLayerStore._build_new_groups = original
+    assert all(layer.store.groups is None for layer in cache.layers)
+    torch.testing.assert_close(kept, rebuilt, rtol=0, atol=1e-5)
+    # bytes: 174 tokens = 10 full pages in 5 full groups, 1 group kept (one free slot): the step reads
+    # the 5 group summaries and the kept group's 2 page summaries, not the 10 page summaries
+    from kvlocks.integrations.stats import DecodeStats
+
+    kept_cache = run()[1]
+    store = kept_cache.layers[0].store
+    page, group = sum(store.summaries.bytes_per_page()), sum(store.groups.bytes_per_page())
+    kept_cache.stats = DecodeStats()
+    kept_cache.record(0, store.keys, 3)
+    assert kept_cache.stats.selection_bytes == 2 * (2 * page + 5 * group)  # Hkv = 2
+    # int4 basis R*D/2, int8 coefficients S*R, int8 centroid D, float16 scales 2*(R + S + 1); D = 32
+    assert (page, group) == (4 * 16 + 16 * 4 + 32 + 2 * 21, 8 * 16 + 32 * 8 + 32 + 2 * 41)  # pages R 4, groups R 8
+
+
+def test_locks_hier_method_sets_default_groups_and_forks_with_them():
+    from transformers import LlamaConfig
+
+    from kvlocks.integrations.hf import LocksCache, method_names
+    from kvlocks.selection.hierarchy import DEFAULT_GROUPS, HIER_METHOD
+
+    mc = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    assert HIER_METHOD in method_names()
+    cache = LocksCache(mc, method=HIER_METHOD, config=LocksConfig(budget=64))
+    assert (cache.config.group_pages, cache.config.group_keep) == tuple(DEFAULT_GROUPS.values())
+    assert LocksCache(mc, method=HIER_METHOD, config=LocksConfig(group_pages=4)).config.group_pages == 4
+    fork = cache.fork(config=LocksConfig(budget=128))
+    assert fork.method == HIER_METHOD and fork.config.group_pages == DEFAULT_GROUPS["group_pages"]

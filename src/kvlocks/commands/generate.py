@@ -30,11 +30,12 @@ TEMPERATURE = 0.7
 
 def add_parser(sub) -> None:
     from kvlocks.config import BASIS_BITS, COMBINE_RULES
+    from kvlocks.selection.hierarchy import HIER_METHOD
     from kvlocks.selection.rerank import RERANK_METHOD
     from kvlocks.selection.selectors import selector_names
 
     # kvlocks.integrations.hf.method_names(), without importing transformers before the checks
-    methods = ("full", RERANK_METHOD, *selector_names())
+    methods = ("full", RERANK_METHOD, HIER_METHOD, *selector_names())
     p = sub.add_parser("generate", help="generate with a LOCKS cache and report bytes read")
     add_model_args(p, model_help="; with --cache: the model the file was made for")
     p.add_argument("--method", default=None, choices=MethodList(methods), metavar="METHOD[,METHOD...]",
@@ -290,10 +291,11 @@ def _run_engine(args, model, tok, ids, config) -> int:
 def _method(name: str, model, tok, prompt: str):
     """A selector name, or the selector's own ``prepare(model, tok, prompt)`` result for selectors
     that must be fitted before a run (Loki's calibration on other text than the prompt)."""
+    from kvlocks.selection.hierarchy import HIER_METHOD
     from kvlocks.selection.rerank import RERANK_METHOD
     from kvlocks.selection.selectors import get_selector
 
-    if name in ("full", RERANK_METHOD):  # the cache's own method names, not registered selectors
+    if name in ("full", RERANK_METHOD, HIER_METHOD):  # the cache's own method names, not registered selectors
         return name
 
     selector = get_selector(name)

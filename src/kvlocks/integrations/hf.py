@@ -30,7 +30,6 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvlocks._checks import check_finite
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
@@ -39,13 +38,14 @@ from kvlocks.integrations.hybrid import WindowLayer, check_positions, check_spar
 from kvlocks.integrations.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
 from kvlocks.positions import position_limit
+from kvlocks.selection.hierarchy import DEFAULT_GROUPS, HIER_METHOD
 from kvlocks.selection.rerank import DEFAULT_RERANK, RERANK_METHOD
 from kvlocks.plan import BACKENDS, resolve_backend
 from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
 ATTN_NAME = "kvlocks"
-METHODS = ("full", RERANK_METHOD)  # plus every registered selector name, see method_names()
+METHODS = ("full", RERANK_METHOD, HIER_METHOD)  # plus every registered selector name, see method_names()
 
 
 def method_names() -> tuple[str, ...]:
@@ -81,34 +81,15 @@ class _LayerStore(PagedLayerStore):
         super().index_batch(index)
         self.scoring = ScoringBuffers()
 
-    def _build_new_pages(self) -> None:
+    def _summarize(self, pages: torch.Tensor):
         if not self.owner.uses_kernels(self._k):
-            return super()._build_new_pages()
+            return super()._summarize(pages)
         from kvlocks.summary.triton import build_summaries as tri_build
 
-        s = self.config.page_size
-        done = 0 if self.summaries is None else self.summaries.num_pages
-        full = self.length // s
-        if full <= done:
-            return
-        pages = self._k[:, :, done * s : full * s].unflatten(2, (full - done, s))  # [B, Hkv, p, S, D]
-        check_finite("keys", pages)
-        new = tri_build(pages, self.config)
-        self.summaries = new if self.summaries is None else self.summaries.cat(new)
-        self.build_calls += 1
+        return tri_build(pages, self.config)
 
-    def fork(self, config: LocksConfig, *, build: bool, owner: "LocksCache | None" = None) -> "_LayerStore":
-        base = super().fork(config, build=False)  # K/V cloned, summaries not carried
-        new = _LayerStore(config, build=build, owner=owner or self.owner)
-        new._k, new._v, new.length = base._k, base._v, base.length
-        same = self.summaries is not None and all(
-            getattr(config, f) == getattr(self.config, f) for f in ("page_size", "rank", "basis_bits", "coef_bits")
-        )
-        if build and same:
-            new.summaries = self.summaries
-        elif build and new.length:
-            new._build_new_pages()
-        return new
+    def _empty(self, config: LocksConfig, build: bool, owner: "LocksCache | None" = None) -> "_LayerStore":
+        return _LayerStore(config, build=build, owner=owner or self.owner)
 
 
 class LocksLayer(DynamicLayer):
@@ -192,7 +173,7 @@ class LocksLayer(DynamicLayer):
             if out is not None:
                 return out.reshape(b, hq, d).unsqueeze(1)
         view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling,
-                         layer=self.layer_idx)
+                         layer=self.layer_idx, groups=self.store.groups)
         pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K] ([B, Hkv, G, K] per head)
         s = self.owner.config.page_size
         if getattr(self.owner.selector, "per_head", False):  # each query head reads its own pages
@@ -290,7 +271,7 @@ class LocksCache(Cache):
         if isinstance(method, str):
             if method not in method_names():
                 raise ValueError(f"method={method!r}: allowed {method_names()}")
-            self.selector = None if method == "full" else get_selector("locks" if method == RERANK_METHOD else method)
+            self.selector = None if method == "full" else get_selector("locks" if method in METHODS else method)
         elif callable(getattr(method, "page_scores", None)):
             self.selector = method
             method = method.name
@@ -300,6 +281,8 @@ class LocksCache(Cache):
         self.config = config or LocksConfig()
         if method == RERANK_METHOD and not self.config.rerank:
             self.config = dataclasses.replace(self.config, rerank=DEFAULT_RERANK)
+        if method == HIER_METHOD and not self.config.group_pages:
+            self.config = dataclasses.replace(self.config, **DEFAULT_GROUPS)
         self.stats = DecodeStats()
         self.model_config = model_config
         self.positions = position_limit(model_config)
@@ -315,7 +298,7 @@ class LocksCache(Cache):
         settings match and rebuilt otherwise; the copy's byte accounting starts at zero.
         """
         if method is None:
-            method = RERANK_METHOD if self.method == RERANK_METHOD else (self.selector or "full")
+            method = self.method if self.method in METHODS else (self.selector or "full")
         new = type(self).__new__(type(self))  # a subclass forks into its own class ...
         LocksCache.__init__(new, self.model_config, method=method, config=config or self.config,
                             backend=self.backend)
@@ -354,9 +337,13 @@ class LocksCache(Cache):
             sel = hkv * self.selector.selection_bytes(self.config, d, elem, n // s)
         elif self.layers[layer].store.summaries is None:  # no full page yet: nothing to score
             sel = 0.0
-        else:
-            payload, scales = self.layers[layer].store.summaries.bytes_per_page()
-            sel = hkv * (n // s) * (payload + scales)
+        else:  # every page summary; hierarchical: every group summary and the candidates' page summaries
+            store, pc = self.layers[layer].store, n // s
+            sel = hkv * pc * sum(store.summaries.bytes_per_page())
+            if self.config.group_pages and isinstance(self.selector, LocksSelector) and store.groups is not None:
+                ng = store.groups.num_pages
+                read = self.config.groups_kept(ng) * self.config.group_pages + pc - ng * self.config.group_pages
+                sel = hkv * (read * sum(store.summaries.bytes_per_page()) + ng * sum(store.groups.bytes_per_page()))
         if self.selector is not None and self.config.rerank and not self.selector.reads_all_keys:
             pc = n // s  # the re-rank reads the keys of its candidates and of the forced full pages
             exact = min(pc, self.config.rerank_candidates(pc) + self.config.sink_pages + self.config.recent_pages)

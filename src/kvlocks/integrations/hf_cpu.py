@@ -156,7 +156,8 @@ def cpu_decode(layer, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     if isinstance(selector, LocksSelector) and not (config.rerank or config.group_pages):
         pages = locks_pages(q, store.scoring, store.summaries, config, n, scale)  # [B, Hkv, K]
     else:
-        view = LayerView(keys=key, summaries=store.summaries, token_mask=None, scale=scale, layer=layer.layer_idx)
+        view = LayerView(keys=key, summaries=store.summaries, token_mask=None, scale=scale, layer=layer.layer_idx,
+                         groups=store.groups)
         pages = choose_pages(q, view, config, selector)
     owner.record(layer.layer_idx, key, pages.shape[-1])
     return attend_pages(q, kbuf, vbuf, pages, n, s, scale)

@@ -18,8 +18,8 @@ the same error analysis as a page's (Theorem 1 with the group's tail energy). A 
 When the budget covers the context every page is selected, as in flat LOCKS. The page scores of
 pages outside the kept groups are never needed: a kernel reads only the candidates' summaries.
 
-Pure PyTorch (the reference): here the group summaries are built from the keys on every call;
-the paged store builds them once per group as pages fill.
+Pure PyTorch (the reference). The paged store (:mod:`kvlocks.cache.paged`) builds a group's
+summary once, when its last page fills; without one, the group summaries are built from the keys.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from kvlocks.summary.build import build_summaries
 from kvlocks.summary.types import PageSummaries
 
 NEG_INF = float("-inf")
+HIER_METHOD = "locks_hier"  # the method name of LOCKS with hierarchical scoring (LocksCache, the CLI, eval)
+DEFAULT_GROUPS = {"group_pages": 16, "group_keep": 2}  # its groups when the configuration sets none
 
 
 def group_config(config: LocksConfig) -> LocksConfig:
@@ -74,10 +76,15 @@ def hierarchical_ranking(page_scores: torch.Tensor, group_scores: torch.Tensor,
 
 
 def hierarchical_page_scores(queries: torch.Tensor, keys: torch.Tensor, summaries: PageSummaries,
-                             config: LocksConfig, *, scale: float, token_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+                             config: LocksConfig, *, scale: float, token_mask=None,
+                             groups: PageSummaries | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(page_scores [..., G, Pc], group_scores [..., G, NG])`` for :func:`hierarchical_ranking`,
-    from the page summaries and group summaries built from ``keys [..., N, D]``."""
-    gs = group_summaries(keys, config)
+    from the page summaries and the group summaries ``groups`` (a cache's, kept as pages fill;
+    built here from ``keys [..., N, D]`` when None)."""
+    gs = group_summaries(keys, config) if groups is None else groups
+    if gs.num_pages != keys.shape[-2] // (config.group_pages * config.page_size):
+        raise ValueError(f"{gs.num_pages} group summaries for {keys.shape[-2]} keys: expected one per full "
+                         f"group of {config.group_pages * config.page_size} keys")
     gmask = None
     if token_mask is not None:
         size = config.group_pages * config.page_size

@@ -43,6 +43,8 @@ class LayerView:
     scale : softmax scale of the model (``1/sqrt(D)`` for most models)
     layer : index of the layer in the model, or ``None`` (selectors with per-layer state, such as
         Loki's calibration, need it; the HF decode path sets it)
+    groups : PageSummaries of the full groups (``LocksConfig.group_pages``) as the cache keeps
+        them, or ``None`` (then hierarchical scoring builds them from ``keys``)
     """
 
     keys: torch.Tensor
@@ -50,6 +52,7 @@ class LayerView:
     token_mask: torch.Tensor | None
     scale: float
     layer: int | None = None
+    groups: PageSummaries | None = None
 
 
 class Selector(Protocol):
@@ -164,7 +167,7 @@ def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, se
         ranking = selector.page_scores(queries, view, config)  # [..., G, Pc]
     elif config.group_pages and isinstance(selector, LocksSelector):  # groups first, then their pages
         scores, groups = hierarchical_page_scores(queries, view.keys, view.summaries, config, scale=view.scale,
-                                                  token_mask=view.token_mask)
+                                                  token_mask=view.token_mask, groups=view.groups)
         ranking, scores = hierarchical_ranking(scores, groups, config)
     else:
         scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
