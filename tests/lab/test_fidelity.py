@@ -521,6 +521,8 @@ def test_hierarchical_selection_mask_is_the_library_rule():
     got = selection_mask(est, 4, group_scores=gscores, group_pages=4, group_keep=1)
     assert torch.equal(got, want.unsqueeze(-2).expand(2, 3, 24))
     v = variant("locks_hier8_k2")
-    assert (v.family, v.group_pages, v.group_keep) == ("locks", 8, 2) and variant("locks_hier16").group_keep == 1
-    with pytest.raises(ValueError, match="group pages"):
-        variant("locks_hier1")
+    assert (v.family, v.group_pages, v.group_keep, v.group_rank) == ("locks", 8, 2, None)
+    assert variant("locks_hier16").group_keep == 1 and variant("locks_hier16_k2_r4").group_rank == 4
+    for bad in ("locks_hier1", "locks_hier16_k2_r0", "locks_hier16_r17"):
+        with pytest.raises(ValueError, match="group pages"):
+            variant(bad)

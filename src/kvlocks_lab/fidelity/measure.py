@@ -66,7 +66,7 @@ class LayerMeasure:
         self.exact: ExactLayer | None = None
         self.cache: dict[str, Estimate] = {}
         self._oracle: dict[int, torch.Tensor] = {}
-        self._groups: dict[int, torch.Tensor] = {}
+        self._groups: dict[tuple[int, int], torch.Tensor] = {}  # (group pages, group rank) -> scores
         self.spectral: tuple | None = None  # unquantized spectral_basis of the pages, set by run()
         self.rows: list[dict] = []
         self.scatter: dict[str, list[list[float]]] = {}
@@ -119,7 +119,7 @@ class LayerMeasure:
         for budget in self.budgets:
             mask = metrics.selection_mask(est.scores, budget // self.data.page_size, combine=v.combine,
                                           per_head=v.per_head, exact=ex.lse, rerank=v.rerank,
-                                          group_scores=self._group_scores(v.group_pages),
+                                          group_scores=self._group_scores(v.group_pages, v.group_rank),
                                           group_pages=v.group_pages, group_keep=v.group_keep)  # [H, Q, G, P]
             cov = metrics.coverage(ex.share, mask)  # [H, Q, G]
             _, rel = metrics.output_errors(ex.share, ex.page_out, ex.out, mask)
@@ -138,17 +138,19 @@ class LayerMeasure:
                                   carrier_of_oracle_n=int(of_oracle[1][h]))
                 self._row("selection", h, selector=v.name, budget=budget, **fields)
 
-    def _group_scores(self, group_pages: int) -> torch.Tensor | None:
-        """Eq. 4 scores ``[H, Q, G, NG]`` of the layer's groups of ``group_pages`` pages (None: 0)."""
+    def _group_scores(self, group_pages: int, group_rank: int | None = None) -> torch.Tensor | None:
+        """Eq. 4 scores ``[H, Q, G, NG]`` of the layer's groups of ``group_pages`` pages summarised
+        at ``group_rank`` (None: the run's rank); None when ``group_pages`` is 0."""
         if not group_pages:
             return None
-        if group_pages not in self._groups:
+        key = (group_pages, group_rank or self.res.rank)
+        if key not in self._groups:
             cfg = LocksConfig(page_size=self.data.page_size, rank=self.res.rank, group_pages=group_pages,
-                              group_rank=self.res.rank, budget=2 * self.data.page_size)
+                              group_rank=key[1], budget=2 * self.data.page_size)
             gs = group_summaries(self.data.keys, cfg)
-            self._groups[group_pages] = self.data.unflatten(
+            self._groups[key] = self.data.unflatten(
                 score_pages_from_summaries(self.data.flat_queries, gs, scale=self.data.scale))
-        return self._groups[group_pages]
+        return self._groups[key]
 
     def _oracle_mask(self, budget: int) -> torch.Tensor:
         """The exact (``oracle``, ``mean_share``) selection at ``budget``: bool ``[H, Q, G, P]``."""
