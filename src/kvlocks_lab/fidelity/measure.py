@@ -32,6 +32,7 @@ from kvlocks_lab.fidelity.variants import Estimate, Resources, Variant, estimate
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import score_pages_from_summaries
 from kvlocks.selection.hierarchy import group_summaries
+from kvlocks_lab.fidelity.group_bound import bound_groups, bound_scores
 from kvlocks.summary import spectral_basis
 
 SCATTER = ("locks", "shadowkv", "global", "loki")  # variants sampled for the share figure
@@ -66,7 +67,7 @@ class LayerMeasure:
         self.exact: ExactLayer | None = None
         self.cache: dict[str, Estimate] = {}
         self._oracle: dict[int, torch.Tensor] = {}
-        self._groups: dict[tuple[int, int], torch.Tensor] = {}  # (group pages, group rank) -> scores
+        self._groups: dict[tuple, torch.Tensor] = {}  # (group pages, group rank, bound) -> scores
         self.spectral: tuple | None = None  # unquantized spectral_basis of the pages, set by run()
         self.rows: list[dict] = []
         self.scatter: dict[str, list[list[float]]] = {}
@@ -119,7 +120,7 @@ class LayerMeasure:
         for budget in self.budgets:
             mask = metrics.selection_mask(est.scores, budget // self.data.page_size, combine=v.combine,
                                           per_head=v.per_head, exact=ex.lse, rerank=v.rerank,
-                                          group_scores=self._group_scores(v.group_pages, v.group_rank),
+                                          group_scores=self._group_scores(v.group_pages, v.group_rank, v.group_bound),
                                           group_pages=v.group_pages, group_keep=v.group_keep)  # [H, Q, G, P]
             cov = metrics.coverage(ex.share, mask)  # [H, Q, G]
             _, rel = metrics.output_errors(ex.share, ex.page_out, ex.out, mask)
@@ -138,18 +139,21 @@ class LayerMeasure:
                                   carrier_of_oracle_n=int(of_oracle[1][h]))
                 self._row("selection", h, selector=v.name, budget=budget, **fields)
 
-    def _group_scores(self, group_pages: int, group_rank: int | None = None) -> torch.Tensor | None:
+    def _group_scores(self, group_pages: int, group_rank: int | None = None, bound: bool = False) -> torch.Tensor | None:
         """Eq. 4 scores ``[H, Q, G, NG]`` of the layer's groups of ``group_pages`` pages summarised
         at ``group_rank`` (None: the run's rank); None when ``group_pages`` is 0."""
         if not group_pages:
             return None
-        key = (group_pages, group_rank or self.res.rank)
+        key = (group_pages, group_rank or self.res.rank, bound)
         if key not in self._groups:
             cfg = LocksConfig(page_size=self.data.page_size, rank=self.res.rank, group_pages=group_pages,
                               group_rank=key[1], budget=2 * self.data.page_size)
-            gs = group_summaries(self.data.keys, cfg)
-            self._groups[key] = self.data.unflatten(
-                score_pages_from_summaries(self.data.flat_queries, gs, scale=self.data.scale))
+            if bound:
+                scores = bound_scores(self.data.flat_queries, bound_groups(self.data.keys, cfg), scale=self.data.scale)
+            else:
+                scores = score_pages_from_summaries(self.data.flat_queries, group_summaries(self.data.keys, cfg),
+                                                    scale=self.data.scale)
+            self._groups[key] = self.data.unflatten(scores)
         return self._groups[key]
 
     def _oracle_mask(self, budget: int) -> torch.Tensor:

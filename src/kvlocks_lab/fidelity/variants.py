@@ -66,7 +66,7 @@ _LOCKS = re.compile(r"^locks(?:_r(\d+))?(?:_b(2|4|8|16|32)|_(fp32|fp16|int8|int4
 _ADAPT = re.compile(r"^locks_adapt(\d+)(?:_(causal|calib|random))?(?:_(mean_share|max_share|sum_mass))?$")
 _ORACLE = re.compile(r"^oracle(?:_(mean_share|max_share|sum_mass))?$")
 _RERANK = re.compile(r"^locks_rerank(\d+)$")
-_HIER = re.compile(r"^locks_hier(\d+)(?:_k(\d+))?(?:_r(\d+))?$")
+_HIER = re.compile(r"^locks_hier(b?)(\d+)(?:_k(\d+))?(?:_r(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class Variant:
     group_pages: int = 0
     group_keep: int = 1
     group_rank: int | None = None  # rank of the group summaries (None: the run's rank)
+    group_bound: bool = False  # groups scored by the upper bound of .group_bound, not Eq. 4
 
     @property
     def estimates_lse(self) -> bool:
@@ -119,10 +120,11 @@ def variant(name: str) -> Variant:
         return Variant(name=name, family="locks", rerank=c)
     m = _HIER.match(name)
     if m:
-        pages, keep, rank = int(m.group(1)), int(m.group(2) or 1), m.group(3) and int(m.group(3))
+        pages, keep, rank = int(m.group(2)), int(m.group(3) or 1), m.group(4) and int(m.group(4))
         if not 2 <= pages <= 256 or keep < 1 or rank is not None and not 1 <= rank <= 16:
             raise ValueError(f"selector {name!r}: group pages must be in 2..256, K >= 1 and the group rank in 1..16")
-        return Variant(name=name, family="locks", group_pages=pages, group_keep=keep, group_rank=rank)
+        return Variant(name=name, family="locks", group_pages=pages, group_keep=keep, group_rank=rank,
+                       group_bound=m.group(1) == "b")
     m = _ADAPT.match(name)
     if m:
         pct = int(m.group(1))
