@@ -338,12 +338,12 @@ class LocksCache(Cache):
         elif self.layers[layer].store.summaries is None:  # no full page yet: nothing to score
             sel = 0.0
         else:  # every page summary; hierarchical: every group summary and the candidates' page summaries
-            store, pc = self.layers[layer].store, n // s
-            sel = hkv * pc * sum(store.summaries.bytes_per_page())
+            store, read, groups = self.layers[layer].store, n // s, 0
             if self.config.group_pages and isinstance(self.selector, LocksSelector) and store.groups is not None:
-                ng = store.groups.num_pages
-                read = self.config.groups_kept(ng) * self.config.group_pages + pc - ng * self.config.group_pages
-                sel = hkv * (read * sum(store.summaries.bytes_per_page()) + ng * sum(store.groups.bytes_per_page()))
+                ng, m = store.groups.num_pages, self.config.group_pages
+                read += (self.config.groups_kept(ng) - ng) * m  # the unkept groups' pages are not read
+                groups = ng * sum(store.groups.bytes_per_page())
+            sel = hkv * (read * sum(store.summaries.bytes_per_page()) + groups)
         if self.selector is not None and self.config.rerank and not self.selector.reads_all_keys:
             pc = n // s  # the re-rank reads the keys of its candidates and of the forced full pages
             exact = min(pc, self.config.rerank_candidates(pc) + self.config.sink_pages + self.config.recent_pages)
