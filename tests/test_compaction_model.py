@@ -205,14 +205,14 @@ def test_layers_fitted_together_equal_layers_fitted_alone(setup):
     """The GPU path stacks several layers' KV heads into one batched fit (layer_chunks): every
     layer's result is what fitting it alone gives (same kept positions, keys and values to float
     rounding), here on the CPU with three layers stacked."""
-    from kvlocks.compaction.model import _fit_layers, layer_chunks
+    from kvlocks.compaction.model import fit_chunk, layer_chunks
 
     cap, cfg = setup["ref_cap"], CompactionConfig(method="fold", ratio=0.1, max_queries=512)
     t = cfg.budget(cap.prefix_len)
     assert layer_chunks(cap, t, cfg, "cpu") == [[i] for i in range(len(cap.keys))]  # the CPU: one at a time
-    together = _fit_layers(cap, [3, 4, 5], t, cfg, "cpu")
+    together = fit_chunk(cap, [3, 4, 5], t, cfg, "cpu")
     for layer, (k, v, b, idx) in zip((3, 4, 5), together):
-        alone = _fit_layers(cap, [layer], t, cfg, "cpu")[0]
+        alone = fit_chunk(cap, [layer], t, cfg, "cpu")[0]
         assert torch.equal(idx, alone[3]) and b is None and alone[2] is None
         torch.testing.assert_close(k, alone[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(v, alone[1], rtol=1e-4, atol=1e-5)

@@ -212,7 +212,8 @@ def layer_chunks(capture: Capture, t: int, config: CompactionConfig, device) -> 
     return chunks
 
 
-def _fit_layers(capture: Capture, chunk: list[int], t: int, config: CompactionConfig, dev) -> list[tuple]:
+def fit_chunk(capture: Capture, chunk: list[int], t: int, config: CompactionConfig, dev,
+                timings: dict | None = None) -> list[tuple]:
     """The layers of ``chunk`` compacted by one :func:`~.api.compact_layer` over their stacked KV
     heads (each head's fit is independent: the result is every layer's own), split back per layer:
     ``[(keys, values, beta, indices)]`` on the CPU."""
@@ -226,7 +227,7 @@ def _fit_layers(capture: Capture, chunk: list[int], t: int, config: CompactionCo
     q = stack([capture.queries[i] for i in chunk])
     question = None if capture.questions is None else stack([capture.questions[i] for i in chunk])
     try:
-        out = compact_layer(k, v, q, t, config, scale=capture.scales[chunk[0]], question=question)
+        out = compact_layer(k, v, q, t, config, scale=capture.scales[chunk[0]], question=question, timings=timings)
     except ValueError as exc:
         msg = str(exc)
         if msg.startswith("KV head "):  # a stacked head h is layer chunk[h // Hkv], head h % Hkv
@@ -276,7 +277,7 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
         if t == num:
             fitted = [_identity_layer(capture.keys[i], capture.values[i], config.method) for i in chunk]
         else:
-            fitted = _fit_layers(capture, chunk, t, config, dev)
+            fitted = fit_chunk(capture, chunk, t, config, dev)
         for ck, cv, cb, ci in fitted:
             keys.append(ck)
             values.append(cv)

@@ -7,8 +7,9 @@
 read with ``git show`` into a temporary package, so both libraries run in one process on the
 same prefix (without it, this tree alone: a machine with no git history, such as the GPU
 machine) (``--tokens`` tokens of stdlib prose, the bundled model). Two or three runs of what
-``kvlocks compact`` does (capture with the default reference passes, then ``compact_layer`` of
-every layer, method ``--method`` at ``--ratio``):
+``kvlocks compact`` does (capture with the default reference passes, then the fit of every layer
+as it runs them, several layers' heads in one batched fit on a GPU; method ``--method`` at
+``--ratio``):
 
 * ``before``: the before library;
 * ``after_whole`` (with ``--whole``): this tree, the repeat pass over the whole prefix
@@ -47,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -134,30 +136,50 @@ def _sync(dev: torch.device) -> None:
 
 
 def _on_cpu(layer):
-    """A CompactedLayer's tensors on the CPU (the error is measured there, in float32)."""
-    import dataclasses
+    """A fitted layer's tensors on the CPU (the error is measured there, in float32)."""
+    return SimpleNamespace(**{name: x.cpu() if isinstance(x, torch.Tensor) else x for name, x in vars(layer).items()})
 
-    return dataclasses.replace(layer, **{f.name: getattr(layer, f.name).cpu() for f in dataclasses.fields(layer)
-                                         if isinstance(getattr(layer, f.name), torch.Tensor)})
+
+def _chunks(lib, cap, cfg, t: int, dev: torch.device) -> list[list[int]]:
+    """The layers ``lib`` fits together on ``dev`` (``kvlocks compact``'s chunks; one layer at a time
+    for a library without them)."""
+    model_mod = importlib.import_module(lib.__name__ + ".model")
+    if hasattr(model_mod, "layer_chunks") and hasattr(model_mod, "fit_chunk"):
+        return model_mod.layer_chunks(cap, t, cfg, dev)
+    return [[i] for i in range(len(cap.keys))]
+
+
+def _fit(lib, cap, chunk: list[int], cfg, t: int, dev: torch.device, timings: dict | None) -> list:
+    """Per layer of ``chunk``: ``lib``'s CompactedLayer (or a stand-in with its serving fields)."""
+    model_mod = importlib.import_module(lib.__name__ + ".model")
+    if not hasattr(model_mod, "fit_chunk"):
+        (i,) = chunk
+        k, v, q = cap.keys[i].to(dev, torch.float32), cap.values[i].to(dev, torch.float32), cap.queries[i].to(dev)
+        kw = {"timings": timings} if timings is not None else {}
+        return [lib.compact_layer(k, v, q, t, cfg, scale=cap.scales[i], **kw)]
+    fitted = model_mod.fit_chunk(cap, chunk, t, cfg, dev, timings)
+    return [SimpleNamespace(method=cfg.method, keys=k, values=v, beta=b, indices=idx) for k, v, b, idx in fitted]
 
 
 def compact_run(lib, cap, cfg, t: int, q_eval, stages: bool,
                 dev: torch.device = torch.device("cpu")) -> tuple[list[dict], dict]:
-    """``compact_layer`` of every layer with ``lib`` on ``dev``: rows per (layer, head) and stage seconds."""
+    """``lib``'s fit of every layer on ``dev``, the layers chunked as ``kvlocks compact`` chunks them
+    (on a GPU, several layers' heads in one batched fit): rows per (layer, head) and stage seconds.
+    A chunk's seconds are shared equally by its layers (``layer_s``; ``chunk_s`` the whole)."""
     rows, timings = [], {}
-    for i, (k, v, q, s) in enumerate(zip(cap.keys, cap.values, cap.queries, cap.scales)):
-        k, v, q = k.to(dev, torch.float32), v.to(dev, torch.float32), q.to(dev)
+    for chunk in _chunks(lib, cap, cfg, t, dev):
         _sync(dev)
         start = time.perf_counter()
-        kw = {"timings": timings} if stages else {}
-        layer = lib.compact_layer(k, v, q, t, cfg, scale=s, **kw)
+        layers = _fit(lib, cap, chunk, cfg, t, dev, timings if stages else None)
         _sync(dev)
         seconds = time.perf_counter() - start
-        layer, k, v = _on_cpu(layer), k.cpu(), v.cpu()
-        errs = head_errors(layer, k, v, q_eval[i], s)
-        for h, err in enumerate(errs):
-            rows.append({"layer": i, "head": h, "layer_s": round(seconds, 4), "err": float(f"{err:.5g}"),
-                         "indices": layer.indices[h].tolist()})
+        for i, layer in zip(chunk, layers):
+            layer = _on_cpu(layer)
+            errs = head_errors(layer, cap.keys[i].cpu(), cap.values[i].cpu(), q_eval[i], cap.scales[i])
+            for h, err in enumerate(errs):
+                rows.append({"layer": i, "head": h, "layer_s": round(seconds / len(chunk), 4),
+                             "chunk_s": round(seconds, 4), "chunk": [chunk[0], chunk[-1]],
+                             "err": float(f"{err:.5g}"), "indices": layer.indices[h].tolist()})
     return rows, {n: round(x, 3) for n, x in timings.items()}
 
 
@@ -221,7 +243,7 @@ def run(args) -> dict:
             lib, ccfg = (before_lib, before_cfg) if name == "before" else (after_lib, cfg)
             rows, stages = compact_run(lib, c, ccfg, t, q_eval, stages=name != "before", dev=dev)
             capture_s = round(c.seconds - extra_s, 3)
-            layers_s = round(sum(r["layer_s"] for r in rows if r["head"] == 0), 3)
+            layers_s = round(sum(r["chunk_s"] for r in rows if r["head"] == 0 and r["layer"] == r["chunk"][0]), 3)
             errs = [r["err"] for r in rows]
             indices[name] = [r.pop("indices") for r in rows]
             for r in rows:
