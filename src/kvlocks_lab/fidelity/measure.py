@@ -33,6 +33,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import score_pages_from_summaries
 from kvlocks.selection.hierarchy import group_summaries
 from kvlocks_lab.fidelity.group_bound import bound_groups, bound_scores
+from kvlocks_lab.fidelity.group_centroids import centroid_group_scores
 from kvlocks.summary import spectral_basis
 
 SCATTER = ("locks", "shadowkv", "global", "loki")  # variants sampled for the share figure
@@ -120,7 +121,7 @@ class LayerMeasure:
         for budget in self.budgets:
             mask = metrics.selection_mask(est.scores, budget // self.data.page_size, combine=v.combine,
                                           per_head=v.per_head, exact=ex.lse, rerank=v.rerank,
-                                          group_scores=self._group_scores(v.group_pages, v.group_rank, v.group_bound),
+                                          group_scores=self._group_scores(v),
                                           group_pages=v.group_pages, group_keep=v.group_keep)  # [H, Q, G, P]
             cov = metrics.coverage(ex.share, mask)  # [H, Q, G]
             _, rel = metrics.output_errors(ex.share, ex.page_out, ex.out, mask)
@@ -139,16 +140,19 @@ class LayerMeasure:
                                   carrier_of_oracle_n=int(of_oracle[1][h]))
                 self._row("selection", h, selector=v.name, budget=budget, **fields)
 
-    def _group_scores(self, group_pages: int, group_rank: int | None = None, bound: bool = False) -> torch.Tensor | None:
-        """Eq. 4 scores ``[H, Q, G, NG]`` of the layer's groups of ``group_pages`` pages summarised
-        at ``group_rank`` (None: the run's rank); None when ``group_pages`` is 0."""
-        if not group_pages:
+    def _group_scores(self, v: Variant) -> torch.Tensor | None:
+        """Scores ``[H, Q, G, NG]`` of the layer's groups of ``v.group_pages`` pages: Eq. 4 on group
+        summaries of rank ``v.group_rank`` (None: the run's rank), the upper bound or the member
+        centroids' score; None when ``v.group_pages`` is 0."""
+        if not v.group_pages:
             return None
-        key = (group_pages, group_rank or self.res.rank, bound)
+        key = (v.group_pages, v.group_rank or self.res.rank, v.group_bound, v.group_centroids)
         if key not in self._groups:
-            cfg = LocksConfig(page_size=self.data.page_size, rank=self.res.rank, group_pages=group_pages,
+            cfg = LocksConfig(page_size=self.data.page_size, rank=self.res.rank, group_pages=v.group_pages,
                               group_rank=key[1], budget=2 * self.data.page_size)
-            if bound:
+            if v.group_centroids:
+                scores = centroid_group_scores(self.data.flat_queries, self.data.keys, cfg, scale=self.data.scale)
+            elif v.group_bound:
                 scores = bound_scores(self.data.flat_queries, bound_groups(self.data.keys, cfg), scale=self.data.scale)
             else:
                 scores = score_pages_from_summaries(self.data.flat_queries, group_summaries(self.data.keys, cfg),

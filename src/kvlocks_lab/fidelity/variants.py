@@ -21,7 +21,9 @@ locks_rerank<C>         locks's scores choose C x (k - 2) candidates, their exac
                         pages (:mod:`kvlocks.selection.rerank`, ``LocksConfig.rerank = C``)
 locks_hier<M>[_k<K>]    hierarchical scoring: groups of M pages with their own summaries (rank as
                         the run's), the best K x (k - 2) groups' pages scored (K = 1 by default;
-                        :mod:`kvlocks.selection.hierarchy`)
+                        :mod:`kvlocks.selection.hierarchy`); ``locks_hierb``: groups scored by
+                        an upper bound (:mod:`.group_bound`), ``locks_hierc``: by their pages'
+                        centroids (:mod:`.group_centroids`)
 locks_adapt<PCT>[_rule] int8 basis on pages whose key-norm range is above the PCT-th percentile
                         of their (layer, KV head), int4 elsewhere; rule prefill (default),
                         causal, calib (one model-wide threshold from the calibration prose) or
@@ -66,7 +68,7 @@ _LOCKS = re.compile(r"^locks(?:_r(\d+))?(?:_b(2|4|8|16|32)|_(fp32|fp16|int8|int4
 _ADAPT = re.compile(r"^locks_adapt(\d+)(?:_(causal|calib|random))?(?:_(mean_share|max_share|sum_mass))?$")
 _ORACLE = re.compile(r"^oracle(?:_(mean_share|max_share|sum_mass))?$")
 _RERANK = re.compile(r"^locks_rerank(\d+)$")
-_HIER = re.compile(r"^locks_hier(b?)(\d+)(?:_k(\d+))?(?:_r(\d+))?$")
+_HIER = re.compile(r"^locks_hier(b|c)?(\d+)(?:_k(\d+))?(?:_r(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Variant:
     group_keep: int = 1
     group_rank: int | None = None  # rank of the group summaries (None: the run's rank)
     group_bound: bool = False  # groups scored by the upper bound of .group_bound, not Eq. 4
+    group_centroids: bool = False  # groups scored by their pages' centroids (.group_centroids)
 
     @property
     def estimates_lse(self) -> bool:
@@ -124,7 +127,7 @@ def variant(name: str) -> Variant:
         if not 2 <= pages <= 256 or keep < 1 or rank is not None and not 1 <= rank <= 16:
             raise ValueError(f"selector {name!r}: group pages must be in 2..256, K >= 1 and the group rank in 1..16")
         return Variant(name=name, family="locks", group_pages=pages, group_keep=keep, group_rank=rank,
-                       group_bound=m.group(1) == "b")
+                       group_bound=m.group(1) == "b", group_centroids=m.group(1) == "c")
     m = _ADAPT.match(name)
     if m:
         pct = int(m.group(1))
