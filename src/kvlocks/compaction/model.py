@@ -213,10 +213,10 @@ def layer_chunks(capture: Capture, t: int, config: CompactionConfig, device) -> 
 
 
 def fit_chunk(capture: Capture, chunk: list[int], t: int, config: CompactionConfig, dev,
-                timings: dict | None = None) -> list[tuple]:
+              timings: dict | None = None) -> list[tuple]:
     """The layers of ``chunk`` compacted by one :func:`~.api.compact_layer` over their stacked KV
-    heads (each head's fit is independent: the result is every layer's own), split back per layer:
-    ``[(keys, values, beta, indices)]`` on the CPU."""
+    heads (each head's fit is independent: the result is every layer's own; ``timings`` gets its
+    stage seconds), split back per layer: ``[(keys, values, beta, indices)]`` on the CPU."""
     hkv = capture.keys[chunk[0]].shape[0]
 
     def stack(tensors, **to):
