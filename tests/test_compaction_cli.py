@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from kvlocks.compaction.config import CompactionConfig
-from kvlocks.compaction.estimate import DEFAULT_RATIO, RETENTION, estimate_seconds, tradeoff_lines
+from kvlocks.compaction.estimate import DEFAULT_RATIO, QUESTION_RETENTION, RETENTION, estimate_seconds, tradeoff_lines
 from kvlocks.compaction.passes import ReferenceConfig
 from kvlocks.corpus import natural_units
 
@@ -44,6 +44,7 @@ def test_lines_before_a_long_input_state_time_and_tradeoff():
     kept, n = RETENTION[0.1]
     assert f"{kept} of {n} answers kept" in lines[1] and "--question" in lines[2]
     assert "ratio 0.25" in tradeoff_lines(0.3, True)[1] and "0.25" in tradeoff_lines(0.3, True)[0]
+    assert "{} of {} answers kept".format(*QUESTION_RETENTION) in tradeoff_lines(0.3, True)[1]
 
 
 def test_estimate_grows_with_the_prefix_and_the_budget():
