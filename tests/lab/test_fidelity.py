@@ -526,3 +526,33 @@ def test_hierarchical_selection_mask_is_the_library_rule():
     for bad in ("locks_hier1", "locks_hier16_k2_r0", "locks_hier16_r17"):
         with pytest.raises(ValueError, match="group pages"):
             variant(bad)
+
+
+def test_cascade_reranks_the_coarse_candidates_with_the_runs_locks_estimates():
+    from kvlocks_lab.fidelity.measure import LayerMeasure
+
+    data = _data(p=24, seed=5)
+    res = Resources(page_size=S, rank=4)
+    names = ["locks", "locks_r1_b4", "locks_cascade64_r1", "locks_cascade2_r4", "locks_cascade2_r1"]
+    lm = LayerMeasure(data, [0, 1], res, budgets=(64,), variants=names, base={}, hot_share=0.5,
+                      kendall_stride=1, scatter_pages=0, rng=np.random.default_rng(0))
+    lm.exact = exact_layer(data)
+    k = 64 // S
+
+    def mask(name):
+        v = variant(name)
+        est = lm.estimate(name)
+        return metrics.selection_mask(est.scores, k, exact=lm._rerank_scores(v), rerank=v.rerank)
+
+    flat, coarse = mask("locks"), mask("locks_r1_b4")
+    # candidates covering every page, or a coarse tier equal to the fine one: flat LOCKS's selection
+    assert torch.equal(mask("locks_cascade64_r1"), flat)
+    assert torch.equal(mask("locks_cascade2_r4"), flat)
+    # a narrow cascade keeps only pages among the coarse tier's best 2 (k - 2) (plus sink and recent)
+    cand = metrics.selection_mask(lm.estimate("locks_r1_b4").scores, 2 + 2 * (k - 2))
+    assert not (mask("locks_cascade2_r1") & ~cand).any() and not torch.equal(flat, coarse)
+    v = variant("locks_cascade8_r2")
+    assert (v.family, v.rank, v.rerank, v.cascade) == ("locks", 2, 8, True)
+    for bad in ("locks_cascade1_r1", "locks_cascade4_r0", "locks_cascade4_r17"):
+        with pytest.raises(ValueError, match="coarse rank"):
+            variant(bad)

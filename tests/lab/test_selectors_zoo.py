@@ -287,6 +287,9 @@ def test_every_selector_runs_at_a_small_budget_with_its_bytes(hf, name):
         expect = hkv * n * d * 4
     else:
         expect = hkv * sel.selection_bytes(cache.config, d, 4, n // 16)
+    if cache.config.rerank:  # locks_centroid chooses candidates: their keys and the sink's and recent's
+        pc = n // 16
+        expect += hkv * min(pc, cache.config.rerank_candidates(pc) + 2) * 16 * d * 4
     assert s["selection_bytes"] == pytest.approx(expect)
     if name == "quest":
         assert expect == hkv * (n // 16) * 2 * d * 4  # the fp32 envelope, not the keys

@@ -67,7 +67,8 @@ class Selector(Protocol):
       then returns ``[..., G, K]`` (see :mod:`kvlocks_lab.selectors.oracle_per_head`);
     - ``bytes_per_page(config, head_dim, elem_size) -> (payload, scales)`` and
       ``selection_bytes(config, head_dim, elem_size, full_pages) -> float``: the bytes a selector
-      with its own resident summary reads per page and per step (one KV head).
+      with its own resident summary reads per page and per step (one KV head);
+    - ``default_rerank``: the ``rerank`` the cache sets when the configuration has none.
     """
 
     name: str

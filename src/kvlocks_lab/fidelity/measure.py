@@ -120,7 +120,7 @@ class LayerMeasure:
         ex, carriers = self.exact, self.data.carrier_mask()
         for budget in self.budgets:
             mask = metrics.selection_mask(est.scores, budget // self.data.page_size, combine=v.combine,
-                                          per_head=v.per_head, exact=ex.lse, rerank=v.rerank,
+                                          per_head=v.per_head, exact=self._rerank_scores(v), rerank=v.rerank,
                                           group_scores=self._group_scores(v),
                                           group_pages=v.group_pages, group_keep=v.group_keep)  # [H, Q, G, P]
             cov = metrics.coverage(ex.share, mask)  # [H, Q, G]
@@ -139,6 +139,11 @@ class LayerMeasure:
                                   carrier_hot_n=int(hot[h].sum()), carrier_of_oracle_hits=int(of_oracle[0][h]),
                                   carrier_of_oracle_n=int(of_oracle[1][h]))
                 self._row("selection", h, selector=v.name, budget=budget, **fields)
+
+    def _rerank_scores(self, v: Variant) -> torch.Tensor:
+        """What a re-rank reads for its candidates: the exact page log-sum-exp, or for a cascade
+        the run's LOCKS (Eq. 4) estimates."""
+        return self.estimate("locks").scores if v.cascade else self.exact.lse
 
     def _group_scores(self, v: Variant) -> torch.Tensor | None:
         """Scores ``[H, Q, G, NG]`` of the layer's groups of ``v.group_pages`` pages: Eq. 4 on group

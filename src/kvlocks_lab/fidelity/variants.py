@@ -17,19 +17,26 @@ locks_max_share/_sum    the same scores with the other combine rules
 locks_fp32              unquantized summaries (float32 spectral basis): Theorem 1's setting
 locks_fp16/int8/int2    basis at float16 / int8 / int2 (coefficients int8; fp16: float16)
 locks_r<R>_b<B>         rank R, basis bits B in (2, 4, 8, 16, 32), ``mean_share``
-locks_rerank<C>         locks's scores choose C x (k - 2) candidates, their exact page LSE the
-                        pages (:mod:`kvlocks.selection.rerank`, ``LocksConfig.rerank = C``)
+locks_rerank<C>[_r<R>]  locks's scores (rank R if given) choose C x (k - 2) candidates, their
+                        exact page LSE the pages (:mod:`kvlocks.selection.rerank`,
+                        ``LocksConfig.rerank = C``)
 locks_hier<M>[_k<K>]    hierarchical scoring: groups of M pages with their own summaries (rank as
                         the run's), the best K x (k - 2) groups' pages scored (K = 1 by default;
                         :mod:`kvlocks.selection.hierarchy`); ``locks_hierb``: groups scored by
                         an upper bound (:mod:`.group_bound`), ``locks_hierc``: by their pages'
                         centroids (:mod:`.group_centroids`)
+locks_cascade<C>_r<R>   two tiers of page summaries: rank-R LOCKS summaries (int4 basis) of every
+                        page choose C x (k - 2) candidates, the run's LOCKS summaries of the
+                        candidates rank them (Eq. 4 on both tiers; the re-rank of
+                        ``locks_rerank`` with Eq. 4 in place of the exact log-sum-exp)
 locks_adapt<PCT>[_rule] int8 basis on pages whose key-norm range is above the PCT-th percentile
                         of their (layer, KV head), int4 elsewhere; rule prefill (default),
                         causal, calib (one model-wide threshold from the calibration prose) or
                         random (:mod:`kvlocks_lab.fidelity.adaptive`); not in the defaults
 quest                   min/max envelope at matched bytes (float16, one envelope per page)
 centroid                page mean key only (float16)
+centroid_rerank<C>      int8 page centroids choose C x (k - 2) candidates, their exact page LSE
+                        the pages
 loki                    global calibrated PCA (uncentred), rank matched to LOCKS's bytes
 shadowkv                per-sequence basis + centroid + int8 coefficients, matched bytes
 global                  ShadowKV's form with a global basis (calibration prose), matched bytes
@@ -67,7 +74,9 @@ _LOCKS = re.compile(r"^locks(?:_r(\d+))?(?:_b(2|4|8|16|32)|_(fp32|fp16|int8|int4
                     r"(?:_(mean_share|max_share|sum_mass))?$")
 _ADAPT = re.compile(r"^locks_adapt(\d+)(?:_(causal|calib|random))?(?:_(mean_share|max_share|sum_mass))?$")
 _ORACLE = re.compile(r"^oracle(?:_(mean_share|max_share|sum_mass))?$")
-_RERANK = re.compile(r"^locks_rerank(\d+)$")
+_RERANK = re.compile(r"^locks_rerank(\d+)(?:_r(\d+))?$")
+_CENTROID_RERANK = re.compile(r"^centroid_rerank(\d+)$")
+_CASCADE = re.compile(r"^locks_cascade(\d+)_r(\d+)$")
 _HIER = re.compile(r"^locks_hier(b|c)?(\d+)(?:_k(\d+))?(?:_r(\d+))?$")
 
 
@@ -96,6 +105,7 @@ class Variant:
     group_rank: int | None = None  # rank of the group summaries (None: the run's rank)
     group_bound: bool = False  # groups scored by the upper bound of .group_bound, not Eq. 4
     group_centroids: bool = False  # groups scored by their pages' centroids (.group_centroids)
+    cascade: bool = False  # the re-rank reads the run's LOCKS estimates of the candidates, not exact keys
 
     @property
     def estimates_lse(self) -> bool:
@@ -117,10 +127,24 @@ def variant(name: str) -> Variant:
         return Variant(name=name, family="oracle", combine=m.group(1) or "mean_share")
     m = _RERANK.match(name)
     if m:
+        c, rank = int(m.group(1)), m.group(2) and int(m.group(2))
+        if not 2 <= c <= 64:
+            raise ValueError(f"selector {name!r}: the candidate multiple must be in 2..64, got {c}")
+        if rank is not None and not 1 <= rank <= 16:
+            raise ValueError(f"selector {name!r}: the rank of the summaries choosing candidates must be in 1..16")
+        return Variant(name=name, family="locks", rerank=c, rank=rank)
+    m = _CENTROID_RERANK.match(name)
+    if m:
         c = int(m.group(1))
         if not 2 <= c <= 64:
             raise ValueError(f"selector {name!r}: the candidate multiple must be in 2..64, got {c}")
-        return Variant(name=name, family="locks", rerank=c)
+        return Variant(name=name, family="centroid", bits=8, rerank=c)
+    m = _CASCADE.match(name)
+    if m:
+        c, rank = int(m.group(1)), int(m.group(2))
+        if not 2 <= c <= 64 or not 1 <= rank <= 16:
+            raise ValueError(f"selector {name!r}: the candidate multiple must be in 2..64 and the coarse rank in 1..16")
+        return Variant(name=name, family="locks", rank=rank, rerank=c, cascade=True)
     m = _HIER.match(name)
     if m:
         pages, keep, rank = int(m.group(2)), int(m.group(3) or 1), m.group(4) and int(m.group(4))
@@ -145,7 +169,7 @@ def variant(name: str) -> Variant:
     raise ValueError(f"unknown selector {name!r}; allowed {sorted(_FIXED | {'oracle', 'locks'})}, "
                      "oracle_<combine>, locks_<fp32|fp16|int8|int4|int2>[_<combine>], "
                      f"locks_r<R>_b<2|4|8|16|32>[_<combine>], locks_adapt<1..99>[_causal|_calib|_random][_<combine>], "
-                     "locks_rerank<2..64>, locks_hier<2..256>[_k<K>] "
+                     "locks_rerank<2..64>[_r<R>], centroid_rerank<2..64>, locks_cascade<2..64>_r<1..16>, locks_hier[b|c]<2..256>[_k<K>][_r<R>] "
                      f"with combine in {COMBINES}")
 
 
@@ -264,7 +288,7 @@ def estimate(v: Variant, data, res: Resources, exact) -> Estimate:
     if v.family == "quest":
         return Estimate(scores=_scores(QuestSelector(**matched_settings("quest", cfg, d)), data, res))
     if v.family == "centroid":
-        return Estimate(scores=_scores(CentroidSelector(bits=16), data, res))
+        return Estimate(scores=_scores(CentroidSelector(bits=v.bits if v.rerank else 16), data, res))
     if v.family == "streaming":
         return Estimate(scores=_scores(StreamingSelector(), data, res))
     if v.family == "random":
