@@ -229,13 +229,14 @@ def test_original_prefix_fractions_scale_with_the_logical_context():
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("method", ["locks", "loki"])
+@pytest.mark.parametrize("method", ["locks", "loki", "locks_rerank"])
 def test_generate_json(method, capsys):
     rc = main(["generate", "--method", method, "--budget", "32", "--max-new-tokens", "3",
                "--prompt", "Name a colour.", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["method"] == method and out["config"]["budget"] == 32
+    assert out["config"]["rerank"] == (4 if method == "locks_rerank" else 0)  # the configuration the method ran
     assert out["stats"]["decode_steps"] >= 1 and out["stats"]["pages_selected"] <= 2
 
 
@@ -403,6 +404,7 @@ def test_generate_several_methods_from_one_prefill_with_chat_and_answer_prefix(t
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     texts = {r["method"]: r["text"] for r in out["methods"]}
     assert list(texts) == ["full", "locks", "oracle"] and len(set(texts.values())) == 1, texts
+    assert [r["config"]["budget"] for r in out["methods"]] == [1024] * 3
     assert out["answer_prefix"] == "Tom's kite is" and out["methods"][1]["stats"]["read_fraction"] > 1
     assert main(["generate", "--method", "full", *args]) == 0
     single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

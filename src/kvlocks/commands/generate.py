@@ -244,7 +244,7 @@ def run(args) -> int:
     if prefix is not None:
         stats = add_original_fractions(stats, prefix["T"], prefix["t"])
     if args.json:
-        print(json.dumps({"method": args.method, "config": json.loads(config.to_json()),
+        print(json.dumps({"method": args.method, "config": json.loads(getattr(cache, "config", config).to_json()),
                           "prompt_tokens": enc.input_ids.shape[1], "text": text, "stats": stats,
                           "prefix": prefix}))
     else:

@@ -34,7 +34,8 @@ def run_side_by_side(args, model, tok, enc, config, prepare, gen: dict) -> int:
         torch.manual_seed(args.seed)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen, **cache_kwargs(model, cache))
         text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        results.append({"method": name, "text": text, "stats": cache.stats.summary()})
+        results.append({"method": name, "text": text, "stats": cache.stats.summary(),
+                        "config": json.loads(cache.config.to_json())})  # the method's own (e.g. its rerank)
     if args.json:
         print(json.dumps({"methods": results, "config": json.loads(config.to_json()),
                           "prompt_tokens": ids.shape[1], "answer_prefix": args.answer_prefix or ""}))
@@ -55,10 +56,9 @@ def table(results: list[dict], prompt_tokens: int, budget: int) -> str:
              "|---|---|---|---|---|"]
     for r in results:
         st = r["stats"]
+        att, read, pct = "—", "—", "—"
         if st.get("decode_steps"):
             att = f"{st['tokens_attended']:.0f} / {st['context_tokens']:.0f}"
             read, pct = human_bytes(st["bytes_read"]), f"{100 * st['read_fraction']:.1f}"
-        else:
-            att, read, pct = "—", "—", "—"
         lines.append(f"| {r['method']} | {att} | {read} | {pct} | {_cell(r['text'])} |")
     return "\n".join(lines)
