@@ -29,6 +29,8 @@ prefix cache in the ``after`` capture and kept out of every fit. Per (layer, KV 
 (t compacted against T), as served (``am`` with its bias). Kept positions are compared with
 ``before``.
 
+``--profile`` adds ``DIR/profile_capture.txt``: one more capture under ``torch.profiler``.
+
 Writes ``DIR/layers.jsonl`` (one row per run, layer and KV head) and ``DIR/summary.json``
 (date, commit, tree state, machine and load, threads, versions, per-pass and per-stage totals,
 median errors).
@@ -268,7 +270,28 @@ def run(args) -> dict:
         "runs": summary_runs, **summary,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if args.profile:
+        profile_capture(after_lib, model, tok, ids, cfg, ReferenceConfig(), out / "profile_capture.txt")
     return summary
+
+
+def profile_capture(lib, model, tok, ids, cfg, reference, path: Path, rows: int = 40) -> None:
+    """One more capture under ``torch.profiler``: operators by self CPU time and by device time,
+    each pass's seconds and the process's CPU time against wall time (a capture bound by the
+    host shows CPU time near wall time and device time well below it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    with profile(activities=acts) as prof:
+        _, passes = capture(lib, model, tok, ids, cfg, reference)
+    cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+    table = prof.key_averages()
+    text = [f"capture under the profiler: wall {wall_s:.2f} s, process CPU {cpu_s:.2f} s; passes (s): {passes}", "",
+            table.table(sort_by="self_cpu_time_total", row_limit=rows)]
+    if len(acts) > 1:
+        text += ["", table.table(sort_by="self_device_time_total", row_limit=rows)]
+    path.write_text("\n".join(text))
 
 
 def main(argv=None) -> int:
@@ -290,6 +313,8 @@ def main(argv=None) -> int:
                    help="also time this tree with the generating passes run one after another (not batched)")
     p.add_argument("--whole", action="store_true",
                    help="also time a repeat pass over the whole prefix (needs 2T + 12 <= the model's positions)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write profile_capture.txt: one more capture under torch.profiler")
     args = p.parse_args(argv)
     s = run(args)
     print(json.dumps({k: s[k] for k in ("T", "t", "n", "runs", "speedup_total", "kept_same_as_before") if k in s},
