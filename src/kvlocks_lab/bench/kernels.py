@@ -13,6 +13,9 @@ the fused combine + selection (:mod:`kvlocks.selection.fused`, which reads the p
 ``locks_attend`` is the split-KV attention over the chosen pages. At the largest context both
 selection paths are also timed as ``x_select_unfused`` (the combine pass + the two-launch
 selection) and ``x_select_fused``, and the score kernels pinned (``x_score_mma``, ``x_score_packed``).
+``centroid_score`` and ``centroid_c16_total`` / ``centroid_c8_total`` are the reduced-read mode
+``locks_centroid`` (:mod:`kvlocks_lab.selectors.centroid_kernel`): the centroid score kernel alone,
+and the whole step with 16 or 8 times (k - 2) candidates re-ranked exactly.
 
 Writes ``DIR/summary.json`` (config, device, versions, copy bandwidth, rows) and
 ``DIR/rows.jsonl`` (one record per measurement, appended as it is made).
@@ -35,6 +38,7 @@ from kvlocks import env
 from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.plan import DecodePlan
+from kvlocks_lab.bench.kernels_centroid import centroid_bytes, centroid_methods
 from kvlocks_lab.bench.kernels_timing import _timer, copy_bandwidth  # noqa: F401 (copy_bandwidth: probes)
 
 log = logging.getLogger(__name__)
@@ -128,7 +132,8 @@ def _bytes(case, k_pages):
             "dense_sdpa": rows * case.p * kv_page, "dense_splitk": rows * case.p * kv_page, "locks_score": summ,
             "locks_select": select, "locks_attend": attend, "locks_total": summ + select + attend,
             "x_locks_rerank_total": summ + select + rows * rerank_pages(case) * case.lcfg.page_size * case.d * 2
-            + attend}
+            + attend,
+            **centroid_bytes(case, rows, select, attend)}
 
 
 RERANK = 4  # the candidate multiple x_locks_rerank_total measures (kvlocks.integrations.hf.DEFAULT_RERANK)
@@ -210,6 +215,7 @@ def _methods(case, device):
                                                    workspace=default_ws),
     }
     return extras, {
+        **centroid_methods(case, device),
         "dense_sdpa": sdpa,
         "dense_splitk": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
                                                workspace=dense_ws),
