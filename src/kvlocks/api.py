@@ -139,16 +139,9 @@ def _check_attended(lse: torch.Tensor) -> None:
                          "NaN); each row needs at least one True token among the attended ones")
 
 
-def sparse_decode(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    page_ids: torch.Tensor,
-    page_size: int,
-    *,
-    scale: float | None = None,
-    token_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_ids: torch.Tensor,
+                  page_size: int, *, scale: float | None = None,
+                  token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention of one decode query per head over the selected pages only.
 
     Parameters

@@ -12,16 +12,9 @@ import torch
 from kvlocks.attention.reference import sparse_decode
 
 
-def sparse_decode_per_head(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    page_ids: torch.Tensor,
-    page_size: int,
-    *,
-    scale: float | None = None,
-    token_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_decode_per_head(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_ids: torch.Tensor,
+                           page_size: int, *, scale: float | None = None,
+                           token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of each query head over its own selected pages.
 
     Parameters

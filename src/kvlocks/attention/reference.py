@@ -42,16 +42,9 @@ def check_qkv(queries, keys, values, token_mask, scale):
     return check_scale(scale)
 
 
-def sparse_decode(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    page_ids: torch.Tensor,
-    page_size: int,
-    *,
-    scale: float | None = None,
-    token_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_ids: torch.Tensor,
+                  page_size: int, *, scale: float | None = None,
+                  token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over the full K/V of the selected pages only.
 
     Parameters

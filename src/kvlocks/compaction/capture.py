@@ -228,6 +228,18 @@ def _fit_positions(model, num: int, passes: list[QueryPass]) -> list[QueryPass]:
     return out
 
 
+def check_global_layers(model_config) -> None:
+    """ValueError for a model with sliding-window layers: compaction fits every layer to the whole prefix."""
+    from kvlocks.integrations.hybrid import layer_windows
+
+    windows = layer_windows(model_config)
+    if any(w is not None for w in windows):
+        raise ValueError(f"compaction needs every layer to attend the whole prefix; this model has "
+                         f"{sum(w is not None for w in windows)} sliding-window layers of {len(windows)} (window "
+                         f"{max(w for w in windows if w)} tokens), whose caches it does not compact. Allowed: models "
+                         "with global attention only (smollm2-135m); hybrid models run LOCKS (kvlocks generate)")
+
+
 def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
                     max_queries: int, seed: int,
                     progress: Callable[[str], None] | None = None, batch: bool = True) -> Capture:
@@ -255,6 +267,7 @@ def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
     ids = check_prefix_ids(prefix_ids)
     if isinstance(max_queries, bool) or not isinstance(max_queries, int) or max_queries < 1:
         raise ValueError(f"max_queries={max_queries!r}: must be an integer >= 1")
+    check_global_layers(model.config)
     start = time.perf_counter()
     text = model.config.get_text_config(decoder=True)
     recorder = QueryRecorder(text.num_attention_heads, text.num_key_value_heads, max_queries, seed)

@@ -22,7 +22,7 @@ import torch
 
 from . import batched
 from .api import compact_layer
-from .capture import Capture, capture_queries, check_prefix_ids
+from .capture import Capture, capture_queries, check_global_layers, check_prefix_ids
 from .config import CompactionConfig
 from .passes import ReferenceConfig, reference_passes
 
@@ -304,6 +304,7 @@ def compact_prefix(model, tokenizer, prefix_ids: torch.Tensor, config: Compactio
     :func:`~.capture.capture_queries` and :func:`compact_capture`.
     """
     ids = check_prefix_ids(prefix_ids)
+    check_global_layers(model.config)
     reference = reference or ReferenceConfig()
     passes = reference_passes(tokenizer, ids, reference)
     capture = capture_queries(model, ids, passes, max_queries=config.max_queries, seed=config.seed,
