@@ -11,7 +11,7 @@ printed. A later call continues from ``STATE`` if the machine kept ``/tmp``, els
 ``--resume`` (the previous call's tarball, carried back).
 
     python3 scripts/gpu/eval_grid.py --grid scripts/gpu/grids/quality.txt --out $OUT --time-limit 540 \
-        [--resume .device/eval/eval_state.tgz] [--only gemma-8k-passkey,...]
+        [--resume .device/eval/eval_state.tgz] [--only gemma-,smollm2-8k]
 
 Needs the staged models (``stage.py prepare model gemma``; this script sources the exports).
 """
@@ -76,16 +76,16 @@ def main(argv=None) -> int:
     p.add_argument("--state", type=Path, default=STATE)
     p.add_argument("--resume", type=Path, help="a previous call's eval_state.tgz, used when --state is absent")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds until the jobs are stopped and packed")
-    p.add_argument("--only", default="", help="comma-separated job names (default: every job of the grid)")
+    p.add_argument("--only", default="", help="comma-separated job names or name prefixes, e.g. gemma-,smollm2-8k (default: every job)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     jobs = read_grid(args.grid)
     if args.only:
-        keep = set(args.only.split(","))
-        unknown = keep - {j[0] for j in jobs}
-        if unknown:
-            raise SystemExit(f"--only: {sorted(unknown)} not in {args.grid}")
-        jobs = [j for j in jobs if j[0] in keep]
+        prefixes = args.only.split(",")
+        unmatched = [x for x in prefixes if not any(j[0].startswith(x) for j in jobs)]
+        if unmatched:
+            raise SystemExit(f"--only: {unmatched} match no job of {args.grid}")
+        jobs = [j for j in jobs if any(j[0].startswith(x) for x in prefixes)]
     if not args.state.exists() and args.resume and args.resume.exists():
         with tarfile.open(args.resume) as tf:
             tf.extractall(args.state.parent, filter="data")
