@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     with tarfile.open(args.out / "eval_state.tgz", "w:gz") as tf:
         # rows, reports and logs; not the saved ``full`` references (1 MB per answer token at
         # Gemma's vocabulary): a job resumed without them decodes ``full`` again for its open record
-        tf.add(args.state, arcname=args.state.name, filter=lambda ti: None if ti.name.endswith(".pt") else ti)
+        tf.add(args.state, arcname=args.state.name,
+               filter=lambda ti: None if ti.name.endswith(".pt") else ti)
     print(f"{'job':<28} {'rows':>6} {'new':>5}  exit  last log", flush=True)
     for name, pr in procs.items():
         n = rows_of(args.state, name)

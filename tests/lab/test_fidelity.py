@@ -499,6 +499,16 @@ def test_rerank_selection_mask_is_the_oracle_when_candidates_cover_the_pages_and
     assert variant("locks_rerank4").rerank == 4 and variant("locks_rerank4").family == "locks"
     with pytest.raises(ValueError, match="candidate multiple"):
         variant("locks_rerank1")
+    # a candidate floor: 2 x (k - 2) = 4 candidates, at least 18 (every free page) -> the oracle's
+    assert not torch.equal(selection_mask(est, 4, exact=exact, rerank=2), selection_mask(exact, 4))
+    assert torch.equal(selection_mask(est, 4, exact=exact, rerank=2, rerank_min=18), selection_mask(exact, 4))
+    lib = rerank_ranking(q, keys, est, combine_group(est, "mean_share"), LocksConfig(budget=64, rerank=5),
+                         scale=1.0, total_pages=20)  # 5 x 2 = 10 candidates, as a floor of 10 over 2 x 2
+    want = torch.zeros(3, 20, dtype=torch.bool).scatter(-1, select_top_pages(lib, 20, 4), True)
+    got = selection_mask(est, 4, exact=exact, rerank=2, rerank_min=10)
+    assert torch.equal(got, want.unsqueeze(-2).expand(3, 2, 20))
+    v = variant("centroid_rerank16_min256")
+    assert (v.family, v.rerank, v.rerank_min) == ("centroid", 16, 256) and variant("centroid_rerank8").rerank_min == 0
 
 
 def test_hierarchical_selection_mask_is_the_library_rule():

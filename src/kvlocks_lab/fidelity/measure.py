@@ -121,6 +121,7 @@ class LayerMeasure:
         for budget in self.budgets:
             mask = metrics.selection_mask(est.scores, budget // self.data.page_size, combine=v.combine,
                                           per_head=v.per_head, exact=self._rerank_scores(v), rerank=v.rerank,
+                                          rerank_min=v.rerank_min,
                                           group_scores=self._group_scores(v),
                                           group_pages=v.group_pages, group_keep=v.group_keep)  # [H, Q, G, P]
             cov = metrics.coverage(ex.share, mask)  # [H, Q, G]

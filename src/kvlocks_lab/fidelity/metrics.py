@@ -21,7 +21,7 @@ from kvlocks.selection.topk import select_top_pages
 
 def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = "mean_share",
                    per_head: bool = False, sink_pages: int = 1, recent_pages: int = 1,
-                   exact: torch.Tensor | None = None, rerank: int = 0, group_scores: torch.Tensor | None = None,
+                   exact: torch.Tensor | None = None, rerank: int = 0, rerank_min: int = 0, group_scores: torch.Tensor | None = None,
                    group_pages: int = 0, group_keep: int = 1) -> torch.Tensor:
     """Which pages each query head attends: bool ``[..., G, P]``.
 
@@ -30,7 +30,7 @@ def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = 
     of :func:`kvlocks.selection.choose_pages`); ``per_head``: each head its own top-k. Always
     sink + recent + the best of the rest, ``min(k, P)`` pages. ``rerank`` (shared selection):
     the two-stage selection of :mod:`kvlocks.selection.rerank` with ``exact [..., G, P]`` the
-    exact page log-sum-exp its candidates read. ``group_pages`` (shared selection): hierarchical
+    exact page log-sum-exp its candidates read, at least ``rerank_min`` of them. ``group_pages`` (shared selection): hierarchical
     scoring (:mod:`kvlocks.selection.hierarchy`) with ``group_scores [..., G, NG]`` the groups' Eq. 4
     scores.
     """
@@ -44,7 +44,8 @@ def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = 
         cfg = LocksConfig(budget=16 * pages_per_step, sink_pages=sink_pages, recent_pages=recent_pages,
                           rerank=rerank)
         forced = forced_pages(p, cfg).to(scores.device).expand(*ranking.shape[:-1], sink_pages + recent_pages)
-        pick, cand = pick_candidates(ranking, forced, cfg.rerank_candidates(p))
+        n_cand = cfg.rerank_candidates(p)
+        pick, cand = pick_candidates(ranking, forced, min(p, max(n_cand, rerank_min)) if rerank_min else n_cand)
         idx = torch.cat([cand, forced], dim=-1)
         got = exact.gather(-1, idx.unsqueeze(-2).expand(*idx.shape[:-1], scores.shape[-2], idx.shape[-1]))
         ranking = merge_exact(scores, pick, cand, forced, forced < p, got, combine)

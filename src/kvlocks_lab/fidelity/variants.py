@@ -35,8 +35,8 @@ locks_adapt<PCT>[_rule] int8 basis on pages whose key-norm range is above the PC
                         random (:mod:`kvlocks_lab.fidelity.adaptive`); not in the defaults
 quest                   min/max envelope at matched bytes (float16, one envelope per page)
 centroid                page mean key only (float16)
-centroid_rerank<C>      int8 page centroids choose C x (k - 2) candidates, their exact page LSE
-                        the pages
+centroid_rerank<C>[_min<M>]  int8 page centroids choose C x (k - 2) candidates (at least M),
+                        their exact page LSE the pages
 loki                    global calibrated PCA (uncentred), rank matched to LOCKS's bytes
 shadowkv                per-sequence basis + centroid + int8 coefficients, matched bytes
 global                  ShadowKV's form with a global basis (calibration prose), matched bytes
@@ -75,7 +75,7 @@ _LOCKS = re.compile(r"^locks(?:_r(\d+))?(?:_b(2|4|8|16|32)|_(fp32|fp16|int8|int4
 _ADAPT = re.compile(r"^locks_adapt(\d+)(?:_(causal|calib|random))?(?:_(mean_share|max_share|sum_mass))?$")
 _ORACLE = re.compile(r"^oracle(?:_(mean_share|max_share|sum_mass))?$")
 _RERANK = re.compile(r"^locks_rerank(\d+)(?:_r(\d+))?$")
-_CENTROID_RERANK = re.compile(r"^centroid_rerank(\d+)$")
+_CENTROID_RERANK = re.compile(r"^centroid_rerank(\d+)(?:_min(\d+))?$")
 _CASCADE = re.compile(r"^locks_cascade(\d+)_r(\d+)$")
 _HIER = re.compile(r"^locks_hier(b|c)?(\d+)(?:_k(\d+))?(?:_r(\d+))?$")
 
@@ -100,6 +100,7 @@ class Variant:
     adapt: int | None = None
     adapt_rule: str = "prefill"
     rerank: int = 0
+    rerank_min: int = 0  # at least this many candidates (pages), whatever the multiple gives
     group_pages: int = 0
     group_keep: int = 1
     group_rank: int | None = None  # rank of the group summaries (None: the run's rank)
@@ -135,10 +136,10 @@ def variant(name: str) -> Variant:
         return Variant(name=name, family="locks", rerank=c, rank=rank)
     m = _CENTROID_RERANK.match(name)
     if m:
-        c = int(m.group(1))
+        c, floor = int(m.group(1)), int(m.group(2) or 0)
         if not 2 <= c <= 64:
             raise ValueError(f"selector {name!r}: the candidate multiple must be in 2..64, got {c}")
-        return Variant(name=name, family="centroid", bits=8, rerank=c)
+        return Variant(name=name, family="centroid", bits=8, rerank=c, rerank_min=floor)
     m = _CASCADE.match(name)
     if m:
         c, rank = int(m.group(1)), int(m.group(2))
@@ -169,7 +170,7 @@ def variant(name: str) -> Variant:
     raise ValueError(f"unknown selector {name!r}; allowed {sorted(_FIXED | {'oracle', 'locks'})}, "
                      "oracle_<combine>, locks_<fp32|fp16|int8|int4|int2>[_<combine>], "
                      f"locks_r<R>_b<2|4|8|16|32>[_<combine>], locks_adapt<1..99>[_causal|_calib|_random][_<combine>], "
-                     "locks_rerank<2..64>[_r<R>], centroid_rerank<2..64>, locks_cascade<2..64>_r<1..16>, locks_hier[b|c]<2..256>[_k<K>][_r<R>] "
+                     "locks_rerank<2..64>[_r<R>], centroid_rerank<2..64>[_min<pages>], locks_cascade<2..64>_r<1..16>, locks_hier[b|c]<2..256>[_k<K>][_r<R>] "
                      f"with combine in {COMBINES}")
 
 
