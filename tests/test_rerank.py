@@ -33,6 +33,12 @@ def test_config_validates_rerank():
     cfg = LocksConfig(budget=64, rerank=4)  # k = 4, two free slots -> 8 candidates
     assert cfg.rerank_candidates(100) == 8 and cfg.rerank_candidates(5) == 5 and LocksConfig().rerank_candidates(9) == 0
     assert LocksConfig.from_json(cfg.to_json()) == cfg
+    floor = LocksConfig(budget=64, rerank=4, rerank_min=30)  # at least 30 candidates, never more than the pages
+    assert floor.rerank_candidates(100) == 30 and floor.rerank_candidates(20) == 20
+    assert LocksConfig(budget=64, rerank=4, rerank_min=5).rerank_candidates(100) == 8
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="LocksConfig.rerank_min"):
+            LocksConfig(rerank=4, rerank_min=bad)
 
 
 def _view(keys, cfg, token_mask=None):

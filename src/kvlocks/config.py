@@ -51,6 +51,8 @@ class LocksConfig(ConfigIO):
         summaries rank the pages, the top ``c * (k - sink_pages - recent_pages)`` are candidates,
         their exact per-page log-sum-exp is computed from their keys (no values), and the top
         pages by those exact masses are selected (:mod:`kvlocks.selection.rerank`).
+    rerank_min : int
+        With ``rerank``: at least this many candidates (pages), >= 0 (default 0).
     group_pages : int
         Hierarchical scoring: 0 (off, the default) or the pages per group, 2..256 (at most 4096
         tokens). Each group of consecutive full pages has a LOCKS summary of its own (a super-page
@@ -72,6 +74,7 @@ class LocksConfig(ConfigIO):
     coef_bits: int = 8
     combine: str = "mean_share"
     rerank: int = 0
+    rerank_min: int = 0
     group_pages: int = 0
     group_rank: int = 8
     group_keep: int = 1
@@ -102,6 +105,7 @@ class LocksConfig(ConfigIO):
         if isinstance(self.rerank, bool) or not isinstance(self.rerank, int) or not (
                 self.rerank == 0 or 2 <= self.rerank <= 64):
             raise ValueError(f"LocksConfig.rerank={self.rerank!r}: allowed 0 (off) or an integer in 2..64")
+        _check_int("rerank_min", self.rerank_min, 0)
         if isinstance(self.group_pages, bool) or not isinstance(self.group_pages, int) or not (
                 self.group_pages == 0 or 2 <= self.group_pages <= 256):
             raise ValueError(f"LocksConfig.group_pages={self.group_pages!r}: allowed 0 (off) or an integer in 2..256")
@@ -128,7 +132,7 @@ class LocksConfig(ConfigIO):
         if not self.rerank:
             return 0
         free = max(1, self.pages_per_step - self.sink_pages - self.recent_pages)
-        return min(full_pages, self.rerank * free)
+        return min(full_pages, max(self.rerank * free, self.rerank_min))
 
 
 @dataclass(frozen=True)

@@ -78,14 +78,15 @@ def test_centroid_kernel_refuses_what_it_cannot_score():
         score_pages_centroid(q[..., :32], store, table, seq)
 
 
-@pytest.mark.parametrize("g,rule,mult", [(3, "mean_share", 4), (4, "max_share", 2), (1, "sum_mass", 16)])
-def test_plan_selects_the_token_major_locks_centroid_pages_and_attends_them_exactly(g, rule, mult):
-    """k = 4 pages (2 free slots), ``mult * 2`` candidates from the centroids, the exact re-rank:
+@pytest.mark.parametrize("g,rule,mult,floor", [(3, "mean_share", 4, 1), (4, "max_share", 2, 12),
+                                               (1, "sum_mass", 16, 1)])
+def test_plan_selects_the_token_major_locks_centroid_pages_and_attends_them_exactly(g, rule, mult, floor):
+    """k = 4 pages (2 free slots), ``max(mult * 2, floor)`` candidates from the centroids, the exact re-rank:
     the plan's pages equal ``choose_pages`` with the ``locks_centroid`` selector on each row
     (summaries read back from the store), and its output is exact softmax attention over those
     pages' tokens (float64 reference)."""
     hkv, d = 2, 64
-    cfg = LocksConfig(budget=64, rerank=mult, combine=rule)
+    cfg = LocksConfig(budget=64, rerank=mult, rerank_min=floor, combine=rule)
     lens = [40 * S, 23 * S + 5, 3 * S + 1, 9 * S]
     q, k, v, table, seq, store = _case(lens, hkv, g, d, cfg, seed=10 + g)
     plan = CentroidRerankPlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1],

@@ -15,7 +15,7 @@ from kvlocks.selection.selectors import LayerView, OracleSelector, choose_pages
 from kvlocks.summary.build import build_summaries
 from kvlocks_lab.selectors.locks_centroid import LocksCentroidSelector
 
-CENTROID_METHOD, CENTROID_RERANK = LocksCentroidSelector.name, LocksCentroidSelector.default_rerank
+CENTROID_METHOD = LocksCentroidSelector.name
 
 S, D = 16, 32
 
@@ -82,9 +82,11 @@ def test_the_method_sets_its_candidate_multiple_decodes_as_the_oracle_and_counts
                      num_attention_heads=4, num_key_value_heads=2, head_dim=D, max_position_embeddings=1024)
     assert CENTROID_METHOD in method_names()
     cache = LocksCache(mc, method=CENTROID_METHOD, config=LocksConfig(budget=64))
-    assert isinstance(cache.selector, LocksCentroidSelector) and cache.config.rerank == CENTROID_RERANK == 16
-    assert cache.fork().config.rerank == CENTROID_RERANK
-    assert LocksCache(mc, method=CENTROID_METHOD, config=LocksConfig(rerank=4)).config.rerank == 4
+    assert isinstance(cache.selector, LocksCentroidSelector)
+    assert (cache.config.rerank, cache.config.rerank_min) == (16, 256)
+    assert (cache.fork().config.rerank, cache.fork().config.rerank_min) == (16, 256)
+    own = LocksCache(mc, method=CENTROID_METHOD, config=LocksConfig(rerank=4, rerank_min=32)).config
+    assert (own.rerank, own.rerank_min) == (4, 32)
     torch.manual_seed(0)
     model = LlamaForCausalLM(mc).eval()
     enable(model)

@@ -281,8 +281,9 @@ class LocksCache(Cache):
         self.config = config or LocksConfig()
         if method == RERANK_METHOD and not self.config.rerank:
             self.config = dataclasses.replace(self.config, rerank=DEFAULT_RERANK)
-        if getattr(self.selector, "default_rerank", 0) and not self.config.rerank:  # it chooses candidates
-            self.config = dataclasses.replace(self.config, rerank=self.selector.default_rerank)
+        for field, value in getattr(self.selector, "config_defaults", {}).items():  # e.g. its candidates
+            if not getattr(self.config, field):
+                self.config = dataclasses.replace(self.config, **{field: value})
         if method == HIER_METHOD and not self.config.group_pages:
             self.config = dataclasses.replace(self.config, **DEFAULT_GROUPS)
         self.stats = DecodeStats()

@@ -68,7 +68,7 @@ class Selector(Protocol):
     - ``bytes_per_page(config, head_dim, elem_size) -> (payload, scales)`` and
       ``selection_bytes(config, head_dim, elem_size, full_pages) -> float``: the bytes a selector
       with its own resident summary reads per page and per step (one KV head);
-    - ``default_rerank``: the ``rerank`` the cache sets when the configuration has none.
+    - ``config_defaults``: ``LocksConfig`` fields the cache sets where the configuration leaves them 0.
     """
 
     name: str

@@ -120,16 +120,19 @@ def centroid_reference(queries: torch.Tensor, summaries: SummaryStore, block_tab
 
 class CentroidRerankPlan:
     """One decode step of ``locks_centroid`` on the Triton kernels, buffers allocated once:
-    centroid scores, the fused selection of ``k' = C (k - sink - recent) + sink + recent``
-    candidates (``C = config.rerank``, 16 when 0), their exact re-rank, sparse attention."""
+    centroid scores, the fused selection of ``config.rerank_candidates`` candidates plus the sink and
+    recent pages (the selector's defaults where the configuration leaves ``rerank`` or
+    ``rerank_min`` 0), their exact re-rank, sparse attention."""
 
     def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device):
         from kvlocks.attention.triton import attention_workspace
         from kvlocks.selection.fused import fused_workspace
         from kvlocks.selection.triton_rerank import rerank_workspace
 
-        if not config.rerank:
-            config = dataclasses.replace(config, rerank=16)
+        from kvlocks_lab.selectors.locks_centroid import LocksCentroidSelector
+
+        config = dataclasses.replace(config, **{f: v for f, v in LocksCentroidSelector.config_defaults.items()
+                                                if not getattr(config, f)})
         self.config, self.scale, self.k = config, 1.0 / math.sqrt(head_dim), config.pages_per_step
         self.k_cand = min(max_pages, config.rerank_candidates(max_pages) + config.sink_pages + config.recent_pages)
         self.score_ws = centroid_workspace(batch, num_kv_heads, group, max_pages, device)
