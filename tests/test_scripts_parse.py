@@ -40,7 +40,7 @@ def test_shell_script_parses(path):
 
 def test_gpu_readme_lists_every_gpu_script():
     readme = (GPU / "README.md").read_text()
-    named = set(re.findall(r"`((?:probes/)?[\w.]+\.(?:py|sh|txt))", readme))
+    named = set(re.findall(r"`((?:probes/|grids/)?[\w.]+\.(?:py|sh|txt))", readme))
     files = {str(p.relative_to(GPU)) for p in GPU.rglob("*") if p.suffix in (".py", ".sh", ".txt")
              and "__pycache__" not in p.parts}
     assert files - named == set(), f"not in scripts/gpu/README.md: {sorted(files - named)}"
