@@ -99,8 +99,7 @@ def main(argv=None) -> int:
         log = open(args.state / f"{name}.log", "a")
         log.write(f"\n$ {shlex.join(cmd)}\n")
         log.flush()
-        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=False)
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = t0 + args.time_limit
     while any(pr.poll() is None for pr in procs.values()) and time.monotonic() < deadline:
         time.sleep(2)
