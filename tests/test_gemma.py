@@ -268,17 +268,3 @@ def test_every_selector_runs_on_the_hybrid_model(name):
     s = cache.stats.summary()
     assert s["layers"] == {"window": 4, "sparse": 2} and s["by_kind"]["window"]["tokens_attended"] == W
     assert s["by_kind"]["sparse"]["tokens_attended"] <= 32 * (4 if name == "oracle_per_head" else 1)  # G heads' pages
-
-
-def test_compaction_refuses_a_hybrid_model_naming_its_sliding_layers():
-    """Compaction fits each layer to the whole prefix; a sliding-window layer never sees it, so a
-    hybrid model is refused before any capture, with the counts and what is allowed."""
-    from kvlocks.compaction import CompactionConfig
-    from kvlocks.compaction.model import compact_prefix
-
-    model = tiny_gemma()
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
-    n_sliding = TYPES.count("sliding_attention")
-    with pytest.raises(ValueError, match=f"{n_sliding} sliding-window layers of {len(TYPES)} .*Allowed: models with "
-                                         "global attention only"):
-        compact_prefix(model, None, ids, CompactionConfig(method="fold", ratio=0.25))

@@ -85,6 +85,7 @@ def run(args) -> int:
     from kvlocks.compaction.passes import ReferenceConfig
     from kvlocks.compaction.config import CompactionConfig
     from kvlocks.compaction.model import compact_prefix
+    from kvlocks.integrations.hybrid import layer_windows
 
     config = CompactionConfig(method=args.method, ratio=args.ratio, selection=args.selection,
                               max_queries=args.max_queries, seed=args.seed,
@@ -99,7 +100,8 @@ def run(args) -> int:
     check_model_args(args)
     model, tok = load_model(args)
     ids = _prefix_ids(text, args, tok)
-    steps = 1 + int(reference.repeat) + len(reference.self_study) + model.config.num_hidden_layers
+    fitted = sum(w is None for w in layer_windows(model.config))  # a hybrid model's global layers
+    steps = 1 + int(reference.repeat) + len(reference.self_study) + fitted
     steps += len(reference.questions)
     if not args.json:
         status(f"compacting {ids.shape[1]} tokens with {args.method} (ratio {args.ratio})")
@@ -131,6 +133,10 @@ def run(args) -> int:
     else:
         print(f"{prefix.method}: {prefix.prefix_len} tokens -> {prefix.kept} entries per layer and "
               f"KV head in {prefix.compact_seconds:.1f} s; wrote {args.out} ({human_bytes(size)})")
+        if prefix.windows is not None:
+            kept = min(prefix.prefix_len, max(w for w in prefix.windows if w) - 1)
+            print(f"note: {fitted} global layers compacted; the {len(prefix.windows) - fitted} "
+                  f"sliding-window layers keep their last {kept} tokens exactly")
         if prefix.has_bias:
             print(f"note: a {prefix.method!r} cache keeps a logit bias; it is served with an additive "
                   "attention mask (dense SDPA), not by plain-cache kernels")

@@ -7,6 +7,10 @@ Format ``kvlocks-compacted-cache``, version 1. Tensors, for every layer i:
 * ``layers.{i}.indices`` int64   [Hkv, t]      kept positions, strictly ascending, in [0, T)
 * ``layers.{i}.beta``    float32 [Hkv, t]      ``am`` only
 
+A hybrid model's file also has ``layer_windows`` (JSON: per layer null, or the window W of a
+sliding layer); a sliding layer holds its last w = min(T, W - 1) prefix tokens as they are (shapes
+with w for t, indices T - w .. T - 1, zero bias).
+
 Metadata (all strings): ``format``, ``format_version``, ``model_id``, ``num_layers``,
 ``num_q_heads``, ``num_kv_heads``, ``head_dim``, ``config_hash``, ``weights_hash``, ``T``,
 ``t``, ``method``, ``compaction_config`` (JSON), ``reference_config`` (JSON),
@@ -75,6 +79,8 @@ def save(path: str | Path, prefix: CompactedPrefix) -> Path:
             "T": str(prefix.prefix_len), "t": str(prefix.kept), "method": prefix.method,
             "compaction_config": prefix.config.to_json(), "reference_config": prefix.reference,
             "compact_seconds": f"{prefix.compact_seconds:.3f}", "kvlocks_version": __version__}
+    if prefix.windows is not None:
+        meta["layer_windows"] = json.dumps(list(prefix.windows))
     meta["checksum"] = checksum(meta, tensors)
     path = Path(path)
     save_file(tensors, str(path), metadata=meta)
@@ -134,12 +140,34 @@ def _check_meta(path: Path, meta: dict[str, str]) -> dict[str, int]:
     return ints
 
 
-def _expected(ints: dict[str, int], method: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _windows(path: Path, meta: dict[str, str], num_layers: int) -> tuple[int | None, ...] | None:
+    """The ``layer_windows`` metadata (module docstring), validated; None when absent."""
+    if "layer_windows" not in meta:
+        return None
+    try:
+        windows = json.loads(meta["layer_windows"])
+    except ValueError:
+        windows = None
+    if (not isinstance(windows, list) or len(windows) != num_layers
+            or not all(w is None or (type(w) is int and w >= 1) for w in windows)):
+        raise ValueError(f"{path}: layer_windows={meta['layer_windows'][:80]!r}: must be a JSON list of "
+                         f"{num_layers} entries, each null or a window of >= 1 token")
+    return tuple(windows)
+
+
+def _kept(ints: dict[str, int], windows, i: int) -> int:
+    """Entries layer ``i`` holds: t, or a sliding layer's last min(T, W - 1) tokens."""
+    w = None if windows is None else windows[i]
+    return ints["t"] if w is None else min(ints["T"], w - 1)
+
+
+def _expected(ints: dict[str, int], method: str, windows=None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor a file of this header must hold: name -> (shape, dtype)."""
-    hkv, t, d = ints["num_kv_heads"], ints["t"], ints["head_dim"]
+    hkv, d = ints["num_kv_heads"], ints["head_dim"]
     dk = d + 1 if method == "rank1" else d
     out = {}
     for i in range(ints["num_layers"]):
+        t = _kept(ints, windows, i)
         out[f"layers.{i}.keys"] = ((hkv, t, dk), torch.float32)
         out[f"layers.{i}.values"] = ((hkv, t, d), torch.float32)
         out[f"layers.{i}.indices"] = ((hkv, t), torch.int64)
@@ -168,7 +196,7 @@ def _finite(path: Path, tensors, name: str) -> torch.Tensor:
     return x
 
 
-def _layer(path: Path, tensors, i: int, ints: dict[str, int], method: str, cfg: CompactionConfig):
+def _layer(path: Path, tensors, i: int, ints: dict[str, int], method: str, cfg: CompactionConfig, windows=None):
     num = ints["T"]
     k = _finite(path, tensors, f"layers.{i}.keys")
     v = _finite(path, tensors, f"layers.{i}.values")
@@ -176,6 +204,9 @@ def _layer(path: Path, tensors, i: int, ints: dict[str, int], method: str, cfg: 
     if int(idx.min()) < 0 or int(idx.max()) >= num or (idx.shape[1] > 1 and not bool((idx.diff(dim=1) > 0).all())):
         raise ValueError(f"{path}: layers.{i}.indices must be strictly ascending positions in "
                          f"[0, T={num})")
+    if windows is not None and windows[i] is not None and int(idx[:, 0].min()) != num - idx.shape[1]:
+        raise ValueError(f"{path}: layers.{i} is a sliding-window layer; its indices must be the prefix's "
+                         f"last {idx.shape[1]} positions")
     beta = _finite(path, tensors, f"layers.{i}.beta") if method == "am" else None
     bias = beta if beta is not None else (k[..., -1] if method == "rank1" else None)
     if bias is not None and not bool(((bias >= cfg.beta_min - 1e-4) & (bias <= cfg.beta_max + 1e-4)).all()):
@@ -183,7 +214,8 @@ def _layer(path: Path, tensors, i: int, ints: dict[str, int], method: str, cfg: 
     return k, v, beta, idx
 
 
-def _inspect(path: Path, f, model_check=None) -> tuple[dict[str, str], dict[str, int], CompactionConfig, ModelInfo]:
+def _inspect(path: Path, f, model_check=None):
+    """(metadata, integer fields, compaction config, model info, layer windows) of a valid header."""
     meta, declared = _header(path, f)
     ints = _check_meta(path, meta)
     method = meta["method"]
@@ -199,8 +231,18 @@ def _inspect(path: Path, f, model_check=None) -> tuple[dict[str, str], dict[str,
                      weights_hash=meta["weights_hash"])
     if model_check is not None:  # "made for another model" says more than the shapes that follow from it
         model_check(info)
-    _check_declared(path, declared, _expected(ints, method))
-    return meta, ints, cfg, info
+    windows = _windows(path, meta, ints["num_layers"])
+    _check_declared(path, declared, _expected(ints, method, windows))
+    return meta, ints, cfg, info, windows
+
+
+def _check_windows(path: Path, windows, model) -> None:
+    """``ValueError`` unless the file's sliding-window layers are the model's."""
+    from kvlocks.integrations.hybrid import layer_windows
+
+    have = layer_windows(model.config)
+    if (windows or (None,) * len(have)) != have:
+        raise ValueError(f"{path}: its sliding-window layers {windows} are not this model's {list(have)}")
 
 
 def inspect(path: str | Path, model_check=None) -> tuple[dict[str, str], CompactionConfig, ModelInfo]:
@@ -210,7 +252,7 @@ def inspect(path: str | Path, model_check=None) -> tuple[dict[str, str], Compact
     The checksum and the values (NaN/Inf, indices, beta) are checked by :func:`load`."""
     path = Path(path)
     with _open(path) as f:
-        meta, _, cfg, info = _inspect(path, f, model_check)
+        meta, _, cfg, info, _ = _inspect(path, f, model_check)
     return meta, cfg, info
 
 
@@ -230,13 +272,15 @@ def load(path: str | Path, model=None) -> CompactedPrefix:
     path = Path(path)
     with _open(path) as f:
         check = None if model is None else (lambda info: check_model(info, model, where=str(path)))
-        meta, ints, cfg, info = _inspect(path, f, check)
+        meta, ints, cfg, info, windows = _inspect(path, f, check)
+        if model is not None:
+            _check_windows(path, windows, model)
         tensors = _tensors(path, f)
     if meta["checksum"] != checksum(meta, tensors):
         raise ValueError(f"{path}: checksum mismatch: the tensors or metadata were changed after "
                          "saving (or the file is corrupt)")
     method = meta["method"]
-    layers = [_layer(path, tensors, i, ints, method, cfg) for i in range(info.num_layers)]
+    layers = [_layer(path, tensors, i, ints, method, cfg, windows) for i in range(info.num_layers)]
     try:
         seconds = float(meta["compact_seconds"])
     except ValueError:
@@ -245,4 +289,4 @@ def load(path: str | Path, model=None) -> CompactedPrefix:
         keys=tuple(x[0] for x in layers), values=tuple(x[1] for x in layers),
         beta=tuple(x[2] for x in layers) if method == "am" else None,
         indices=tuple(x[3] for x in layers), prefix_len=ints["T"], kept=ints["t"], method=method,
-        config=cfg, reference=meta["reference_config"], model=info, compact_seconds=seconds)
+        config=cfg, reference=meta["reference_config"], model=info, compact_seconds=seconds, windows=windows)

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from . import attention, capture_batch
 from .passes import QueryPass
@@ -84,13 +84,25 @@ class _GrowingLayer(DynamicLayer):
             self._view()
 
 
+class _GrowingWindowLayer(_GrowingLayer):
+    """A sliding-window layer that keeps every token, so passes can be cropped back to the prefix.
+
+    ``is_sliding`` makes transformers build this layer's mask with the window, by cache index:
+    a pass after the prefix sees the prefix's last tokens in its window as if it followed it
+    directly (the passes' RoPE positions may lie further on; the window layers only shape the
+    hidden states that the global layers' recorded queries come from).
+    """
+
+    is_sliding = True
+
+
 class RecordingCache(DynamicCache):
     """A ``DynamicCache`` whose keys carry a :class:`QueryRecorder` to the attention function."""
 
     def __init__(self, model_config, recorder: QueryRecorder | None) -> None:
         super().__init__(config=model_config)
-        # plain layers only: a sliding-window layer keeps its own rules
-        self.layers = [_GrowingLayer() if type(x) is DynamicLayer else x for x in self.layers]
+        self.layers = [_GrowingLayer() if type(x) is DynamicLayer else
+                       _GrowingWindowLayer() if isinstance(x, DynamicSlidingWindowLayer) else x for x in self.layers]
         self.recorder = recorder
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -228,18 +240,6 @@ def _fit_positions(model, num: int, passes: list[QueryPass]) -> list[QueryPass]:
     return out
 
 
-def check_global_layers(model_config) -> None:
-    """ValueError for a model with sliding-window layers: compaction fits every layer to the whole prefix."""
-    from kvlocks.integrations.hybrid import layer_windows
-
-    windows = layer_windows(model_config)
-    if any(w is not None for w in windows):
-        raise ValueError(f"compaction needs every layer to attend the whole prefix; this model has "
-                         f"{sum(w is not None for w in windows)} sliding-window layers of {len(windows)} (window "
-                         f"{max(w for w in windows if w)} tokens), whose caches it does not compact. Allowed: models "
-                         "with global attention only (smollm2-135m); hybrid models run LOCKS (kvlocks generate)")
-
-
 def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
                     max_queries: int, seed: int,
                     progress: Callable[[str], None] | None = None, batch: bool = True) -> Capture:
@@ -267,7 +267,6 @@ def capture_queries(model, prefix_ids: torch.Tensor, passes: list[QueryPass], *,
     ids = check_prefix_ids(prefix_ids)
     if isinstance(max_queries, bool) or not isinstance(max_queries, int) or max_queries < 1:
         raise ValueError(f"max_queries={max_queries!r}: must be an integer >= 1")
-    check_global_layers(model.config)
     start = time.perf_counter()
     text = model.config.get_text_config(decoder=True)
     recorder = QueryRecorder(text.num_attention_heads, text.num_key_value_heads, max_queries, seed)

@@ -3,6 +3,11 @@
 Equal budgets: every (layer, KV head) keeps the same t = ``config.budget(T)`` entries, so the
 result is a rectangular cache ``[Hkv, t, D]`` per layer that stock engines can hold.
 
+Hybrid models (Gemma 3): only the global layers are compacted. A sliding-window layer of window
+W is read by every later token through its last W - 1 prefix tokens alone, so it keeps exactly
+those, as they are (``windows`` says which layers and their window); it is as small as the
+stock sliding cache, and exact.
+
 When t == T nothing is dropped, and the exact solution of every method is the prefix cache
 itself (beta = 0, values unchanged; nothing to fold). Then the prefill K/V are returned as they
 are instead of a numerical fit that would only approximate them; this makes ratio 1.0 a clean
@@ -22,9 +27,10 @@ import torch
 
 from . import batched
 from .api import compact_layer
-from .capture import Capture, capture_queries, check_global_layers, check_prefix_ids
+from .capture import Capture, capture_queries, check_prefix_ids
 from .config import CompactionConfig
 from .passes import ReferenceConfig, reference_passes
+from kvlocks.integrations.hybrid import layer_windows
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +137,9 @@ class CompactedPrefix:
     model : ModelInfo
     compact_seconds : float
         Capture plus compaction wall time (0 if unknown).
+    windows : tuple of (int or None), or None
+        Per layer: None for a compacted (global) layer, the window W for a sliding layer that
+        keeps its last min(T, W - 1) prefix tokens exactly. None: every layer is global.
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -144,6 +153,7 @@ class CompactedPrefix:
     reference: str
     model: ModelInfo
     compact_seconds: float = 0.0
+    windows: tuple[int | None, ...] | None = None
 
     @property
     def has_bias(self) -> bool:
@@ -162,12 +172,12 @@ class CompactedPrefix:
         return k, v, (self.beta[layer] if self.beta is not None else None)
 
 
-def _identity_layer(k: torch.Tensor, v: torch.Tensor, method: str):
-    """Keep-all 'compaction' (t == T): keys, values, beta, indices."""
+def identity_layer(k: torch.Tensor, v: torch.Tensor, method: str, first: int = 0):
+    """Keep-all 'compaction' of the entries from position ``first`` on: keys, values, beta, indices."""
+    k, v = k[:, first:].to(torch.float32), v[:, first:].to(torch.float32)
     hkv, num, _ = k.shape
-    k, v = k.to(torch.float32), v.to(torch.float32)
     zero = torch.zeros(hkv, num)
-    idx = torch.arange(num).expand(hkv, num).clone()
+    idx = torch.arange(first, first + num).expand(hkv, num).clone()
     if method == "rank1":
         k = torch.cat([k, zero[..., None]], dim=-1)  # [Hkv, T, D+1]
     return k, v, (zero if method == "am" else None), idx
@@ -185,25 +195,26 @@ FIT_BUDGET_CUDA = 16 * 2**30  # bytes of a chunk's float64 fit matrices on a GPU
 _FIT_BYTES_PER_HEAD_ROW_COL = 8 * 6  # float64 [n, t] matrices alive at once in a head's fit (logits, design, weights)
 
 
-def layer_chunks(capture: Capture, t: int, config: CompactionConfig, device) -> list[list[int]]:
+def layer_chunks(capture: Capture, t: int, config: CompactionConfig, device,
+                 layers: list[int] | None = None) -> list[list[int]]:
     """Consecutive layers whose KV heads are fitted together in one batched fit.
 
     On a GPU a fit of one layer is a few hundred small launches (the bias solve's active-set
     steps, the refits' factorisations) that take about as long for 3 heads as for 90: layers are
     stacked head-wise while their float64 ``[heads, n, t]`` matrices stay within
     ``FIT_BUDGET_CUDA`` (and a quarter of the free memory), and while their logit scales agree.
-    On the CPU, and for the per-head methods, one layer at a time.
+    On the CPU, and for the per-head methods, one layer at a time. ``layers``: those to fit (all).
     """
-    layers = len(capture.keys)
+    layers = list(range(len(capture.keys))) if layers is None else layers
     if torch.device(device).type != "cuda" or not batched.supports(config) or t == capture.prefix_len:
-        return [[i] for i in range(layers)]
+        return [[i] for i in layers]
     hkv, n = capture.queries[0].shape[0], min(capture.queries[0].shape[1], config.max_queries)
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     budget = min(FIT_BUDGET_CUDA, free // 4)
     per_layer = hkv * n * t * _FIT_BYTES_PER_HEAD_ROW_COL
     size = max(1, int(budget // max(per_layer, 1)))
     chunks: list[list[int]] = []
-    for i in range(layers):
+    for i in layers:
         same = chunks and capture.scales[chunks[-1][0]] == capture.scales[i] and len(chunks[-1]) < size
         if same:
             chunks[-1].append(i)
@@ -270,27 +281,28 @@ def compact_capture(model, capture: Capture, config: CompactionConfig, *, t: int
     if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= num:
         raise ValueError(f"t={t!r}: must be an integer with 1 <= t <= T={num}")
     dev = fit_device(model)
-    keys, values, betas, indices = [], [], [], []
-    for chunk in layer_chunks(capture, t, config, dev):
+    windows = layer_windows(model.config)
+    fitted: dict[int, tuple] = {i: identity_layer(capture.keys[i], capture.values[i], config.method,
+                                                   first=max(0, num - w + 1))
+                                for i, w in enumerate(windows) if w is not None}
+    for chunk in layer_chunks(capture, t, config, dev, [i for i, w in enumerate(windows) if w is None]):
         if progress is not None:
-            progress(f"layer {chunk[0]}" if len(chunk) == 1 else f"layers {chunk[0]}-{chunk[-1]}")
+            span = chunk == list(range(chunk[0], chunk[-1] + 1))
+            progress(f"layer {chunk[0]}" if len(chunk) == 1 else
+                     f"layers {chunk[0]}-{chunk[-1]}" if span else f"layers {','.join(map(str, chunk))}")
         if t == num:
-            fitted = [_identity_layer(capture.keys[i], capture.values[i], config.method) for i in chunk]
+            fitted.update((i, identity_layer(capture.keys[i], capture.values[i], config.method)) for i in chunk)
         else:
-            fitted = fit_chunk(capture, chunk, t, config, dev)
-        for ck, cv, cb, ci in fitted:
-            keys.append(ck)
-            values.append(cv)
-            betas.append(cb)
-            indices.append(ci)
+            fitted.update(zip(chunk, fit_chunk(capture, chunk, t, config, dev)))
+    keys, values, betas, indices = zip(*(fitted[i] for i in range(len(windows))))
     seconds = capture.seconds + time.perf_counter() - start
     logger.info("compacted T=%d -> t=%d per head with %s in %.1f s", num, t, config.method, seconds)
     return CompactedPrefix(
-        keys=tuple(keys), values=tuple(values),
-        beta=tuple(betas) if config.method == "am" else None, indices=tuple(indices),
+        keys=keys, values=values, beta=betas if config.method == "am" else None, indices=indices,
         prefix_len=num, kept=t, method=config.method, config=config,
         reference=reference.to_json() if reference is not None else "{}",
-        model=model_info(model, model_id), compact_seconds=seconds)
+        model=model_info(model, model_id), compact_seconds=seconds,
+        windows=windows if any(w is not None for w in windows) else None)
 
 
 def compact_prefix(model, tokenizer, prefix_ids: torch.Tensor, config: CompactionConfig, *,
@@ -304,7 +316,6 @@ def compact_prefix(model, tokenizer, prefix_ids: torch.Tensor, config: Compactio
     :func:`~.capture.capture_queries` and :func:`compact_capture`.
     """
     ids = check_prefix_ids(prefix_ids)
-    check_global_layers(model.config)
     reference = reference or ReferenceConfig()
     passes = reference_passes(tokenizer, ids, reference)
     capture = capture_queries(model, ids, passes, max_queries=config.max_queries, seed=config.seed,

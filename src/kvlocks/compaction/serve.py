@@ -13,6 +13,10 @@ So ``generate`` is called exactly as when continuing a stock cache: ``input_ids`
 whole sequence, T prefix tokens then the new ones (:func:`continuation_inputs` fills the
 prefix with placeholders, which are never read: only the last L ids are fed).
 
+Sliding-window layers of a hybrid model hold the prefix's last W - 1 tokens exactly as a stock
+sliding cache does after T tokens, and count T as their length (their mask offsets are logical
+positions already): the offset T - t applies to the global layers alone.
+
 Bias. ``fold``, ``drop``, ``drop_refit`` and ``merge_fold`` caches are ordinary caches (stock
 SDPA, no bias). ``am`` keeps beta, and ``rank1``'s extra coordinate is the same bias: both are
 served through :mod:`.attention`, which adds beta as an additive float ``attn_mask`` to stock
@@ -26,7 +30,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import LocksCache
@@ -40,18 +44,27 @@ logger = logging.getLogger(__name__)
 class _LogicalLength:
     """Mixin: logical length for positions, physical length for masks (module docstring)."""
 
-    position_offset = 0  # T - t
+    position_offset = 0  # T - t, in the global layers
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         n = super().get_seq_length(layer_idx)
-        return n + self.position_offset if n else 0
+        return n + self.position_offset if n and not self.layers[layer_idx].is_sliding else n
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return super().get_seq_length(layer_idx)
 
-    def physical_length(self, layer_idx: int = 0) -> int:
-        """Entries stored in layer ``layer_idx`` (t + tokens appended)."""
+    def physical_length(self, layer_idx: int | None = None) -> int:
+        """Entries stored in layer ``layer_idx`` (default: the first global one): t + tokens appended."""
+        if layer_idx is None:
+            layer_idx = [x.is_sliding for x in self.layers].index(False)
         return super().get_seq_length(layer_idx)
+
+
+def _seed_window(layer: DynamicSlidingWindowLayer, keys, values, prefix_len: int) -> DynamicSlidingWindowLayer:
+    """``layer`` holding a sliding layer's last prefix tokens ``[1, Hkv, w, D]``, as after T tokens."""
+    layer.update(keys, values)
+    layer.cumulative_length = prefix_len
+    return layer
 
 
 class PrefixLayer(DynamicLayer):
@@ -97,11 +110,15 @@ class CompactedCache(_LogicalLength, DynamicCache):
         super().__init__()
         self.layer_class_to_replicate = None  # every layer is built here, seeded
         self.layers = []
-        for i in range(prefix.model.num_layers):
-            k, v, b = prefix.serving_layer(i)
-            bias = None if b is None else b[None].to(device=device, dtype=dtype)
-            layer = PrefixLayer(bias)
-            layer.seed(k[None].to(device=device, dtype=dtype), v[None].to(device=device, dtype=dtype))
+        windows = prefix.windows or (None,) * prefix.model.num_layers
+        for i, w in enumerate(windows):
+            k, v, b = (x[None].to(device=device, dtype=dtype) if x is not None else None
+                       for x in prefix.serving_layer(i))
+            if w is not None:  # exact window: no bias
+                self.layers.append(_seed_window(DynamicSlidingWindowLayer(w), k, v, prefix.prefix_len))
+                continue
+            layer = PrefixLayer(b)
+            layer.seed(k, v)
             self.layers.append(layer)
         self.prefix_len, self.kept, self.compaction = prefix.prefix_len, prefix.kept, prefix.method
         self.position_offset = prefix.prefix_len - prefix.kept
@@ -120,7 +137,8 @@ class CompactedLocksCache(_LogicalLength, LocksCache):
         super().__init__(model_config, method=method, config=config)
         for i, layer in enumerate(self.layers):
             k, v, _ = prefix.serving_layer(i)
-            layer.update(k[None].to(device=device, dtype=dtype), v[None].to(device=device, dtype=dtype))
+            k, v = k[None].to(device=device, dtype=dtype), v[None].to(device=device, dtype=dtype)
+            _seed_window(layer, k, v, prefix.prefix_len) if layer.is_sliding else layer.update(k, v)
         self.prefix_len, self.kept, self.compaction = prefix.prefix_len, prefix.kept, prefix.method
         self.position_offset = prefix.prefix_len - prefix.kept
 

@@ -43,9 +43,10 @@ import torch
 from kvlocks.compaction import batched
 from kvlocks.compaction.capture import capture_queries
 from kvlocks.compaction.config import CompactionConfig
-from kvlocks.compaction.model import CompactedPrefix, model_info
+from kvlocks.compaction.model import CompactedPrefix, identity_layer, model_info
 from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
 from kvlocks.compaction.serve import to_cache
+from kvlocks.integrations.hybrid import layer_windows
 from kvlocks_lab.eval.metrics import top1_agreement
 from kvlocks_lab.eval.tasks import generate, score
 
@@ -109,19 +110,21 @@ def record_passes(tok, record, reference: ReferenceConfig, answer: list[int],
     return passes
 
 
-def _prefix(layers: list[dict], method: str, num: int, t: int, cfg, info) -> CompactedPrefix:
-    return CompactedPrefix(
+def _prefix(layers: list[dict], method: str, num: int, t: int, cfg, info, windows=None) -> CompactedPrefix:
+    return CompactedPrefix(windows=windows if windows and any(windows) else None,
         keys=tuple(x["keys"] for x in layers), values=tuple(x["values"] for x in layers),
         beta=tuple(x["beta"] for x in layers) if method == "am" else None,
         indices=tuple(x["indices"] for x in layers), prefix_len=num, kept=t, method=method,
         config=cfg.replace(method=method), reference="{}", model=info)
 
 
-def _kept_share(layers: list[dict], carriers: list[int] | None) -> float | None:
+def _kept_share(layers: list[dict], carriers: list[int] | None, windows) -> float | None:
+    """Share of the compacted (global) layers' KV heads that kept every carrier token."""
     if not carriers:
         return None
-    need = torch.tensor(carriers, device=layers[0]["indices"].device)
-    hits = [bool(torch.isin(need, x["indices"][h]).all()) for x in layers for h in range(x["indices"].shape[0])]
+    need = torch.tensor(carriers)
+    hits = [bool(torch.isin(need, x["indices"][h].cpu()).all()) for x, w in zip(layers, windows) if w is None
+            for h in range(x["indices"].shape[0])]
     return sum(hits) / len(hits)
 
 
@@ -146,6 +149,7 @@ def study_record(model, tok, record, args, info) -> list[dict]:
                           max_queries=args.max_queries, seed=args.seed)
     capture_s = time.perf_counter() - start
     carriers = carrier_positions(tok, record)
+    windows = layer_windows(model.config)
     cfg = CompactionConfig(max_queries=args.max_queries, seed=args.seed)
     for qs in args.queries:
         sub = cap.only(list(_DEFAULT_PASSES) + ([] if qs == "default" else [qs]))
@@ -154,7 +158,13 @@ def study_record(model, tok, record, args, info) -> list[dict]:
         made = {(sel, r): {m: [] for m in methods} for sel in sels for r in args.ratios}
         start = time.perf_counter()
         dev = model.device  # the fits run where the model does
-        for layer in range(len(sub.keys)):
+        for layer, w in enumerate(windows):
+            if w is not None:  # a hybrid model's sliding layer: its last W - 1 tokens, exactly
+                for (sel, r), by_method in made.items():
+                    for m in methods:
+                        by_method[m].append(dict(zip(("keys", "values", "beta", "indices"), identity_layer(
+                            sub.keys[layer], sub.values[layer], m, first=max(0, num - w + 1)))))
+                continue
             question = None if sub.questions is None else sub.questions[layer].to(dev)
             fit = batched.prepare_layer(sub.keys[layer].to(dev), sub.values[layer].to(dev),
                                         sub.queries[layer].to(dev), cfg, sub.scales[layer], question=question)
@@ -168,7 +178,7 @@ def study_record(model, tok, record, args, info) -> list[dict]:
         for (sel, r), by_method in made.items():
             t = cfg.replace(ratio=r).budget(num)
             for m in methods:
-                prefix = _prefix(by_method[m], m, num, t, sels[sel], info)
+                prefix = _prefix(by_method[m], m, num, t, sels[sel], info, windows)
                 got = continue_record(model, lambda: to_cache(model, prefix), record.suffix_ids, answer,
                                       max_new_tokens=max_new, eos_ids=eos)
                 text = tok.decode([x for x in got.tokens if x not in eos], skip_special_tokens=True)
@@ -176,7 +186,7 @@ def study_record(model, tok, record, args, info) -> list[dict]:
                              "kl": float(f"{answer_kl(full_logp, got.logp):.5g}"),
                              "top1": float(top1_agreement(full_logp, got.logp).mean()),
                              "accuracy": score(record, text)["score"], "prediction": text,
-                             "carriers_kept": _kept_share(by_method[m], carriers),
+                             "carriers_kept": _kept_share(by_method[m], carriers, windows),
                              "references": list(record.references),
                              "capture_s": round(capture_s, 2), "fits_s": round(fit_s, 2)})
     return rows
