@@ -228,6 +228,18 @@ def test_original_prefix_fractions_scale_with_the_logical_context():
     assert "(100.0%) over the compacted cache" in line and "(11.3%) over the original 100-token prefix" in line
 
 
+def test_original_prefix_fractions_of_a_hybrid_model_grow_only_the_global_layers():
+    from kvlocks.integrations.stats import DecodeStats
+
+    st = DecodeStats()  # one step: a window layer reading its 4 tokens (8 bytes each), a dense global one 11
+    st.add(0, kind="window", pages=1, tokens=4, context=100, selection_bytes=0.0, kv_bytes=32.0, full_bytes=32.0)
+    st.add(1, kind="dense", pages=1, tokens=11, context=11, selection_bytes=0.0, kv_bytes=88.0, full_bytes=88.0)
+    out = add_original_fractions(st.summary(), 100, 10)  # T = 100 tokens held as t = 10 in the global layer
+    assert out["original_full_bytes"] == pytest.approx((32.0 + 8.0 * 101) / 2)  # the window read stays 32
+    assert out["original_read_fraction"] == pytest.approx(60.0 / ((32.0 + 808.0) / 2))
+    assert "layers per step: 1 dense, 1 window" in bytes_line(out, original={"T": 100, "t": 10})
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("method", ["locks", "loki", "locks_rerank"])
 def test_generate_json(method, capsys):

@@ -236,7 +236,8 @@ def test_decode_stats_kinds_hand_computed():
     out = s.summary()
     assert out["decode_steps"] == 2 and out["layers"] == {"window": 1, "sparse": 1}
     assert out["by_kind"]["sparse"] == {"tokens_attended": 32, "selection_bytes": 10.0, "kv_bytes": 64.0,
-                                        "bytes_read": 74.0, "full_bytes": 200.0}
+                                        "bytes_read": 74.0, "full_bytes": 200.0,
+                                        "context_tokens": 100.0}
     assert out["read_fraction"] == pytest.approx((64 + 74) / (64 + 200))
     with pytest.raises(ValueError, match="kind='global'"):
         s.add(0, kind="global", pages=1, tokens=1, context=1, selection_bytes=0, kv_bytes=0, full_bytes=0)

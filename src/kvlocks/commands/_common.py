@@ -226,19 +226,25 @@ def bytes_line(stats: dict, *, original: dict | None = None) -> str:
     from kvlocks.integrations.stats import layers_line
 
     kinds = layers_line(stats) if "window" in stats.get("layers", {}) else ""  # a hybrid model's layer kinds
-    if original is None:
-        return f"{read} vs {full}" + (f"; {kinds}" if kinds else "")
-    return (f"{read} vs {full} over the compacted cache and "
-            f"{human_bytes(stats['original_full_bytes'])} ({100 * stats['original_read_fraction']:.1f}%) "
-            f"over the original {original['T']}-token prefix")
+    if original is not None:
+        full = (f"{full} over the compacted cache and {human_bytes(stats['original_full_bytes'])} "
+                f"({100 * stats['original_read_fraction']:.1f}%) over the original {original['T']}-token prefix")
+    return f"{read} vs {full}" + (f"; {kinds}" if kinds else "")
 
 
 def add_original_fractions(stats: dict, big: int, small: int) -> dict:
     """Add ``original_full_bytes`` and ``original_read_fraction``: dense attention's K/V read if
     the prefix had not been compacted (T instead of t entries; full bytes grow linearly with the
-    context, so the averages scale exactly)."""
+    context, so the averages scale exactly). A hybrid model's window layers read their window
+    either way: only its global layers' bytes grow."""
     if not stats.get("decode_steps") or not stats.get("context_tokens"):
         return stats
-    ctx = stats["context_tokens"]  # mean entries per step: t + tokens appended
-    orig = stats["full_bytes"] * (ctx + big - small) / ctx
+    kinds, layers = stats.get("by_kind") or {}, stats.get("layers") or {}
+    if "window" in kinds:
+        grown = sum(layers[k] * s["full_bytes"] * (1 + (big - small) / s["context_tokens"])
+                    if k != "window" else layers[k] * s["full_bytes"] for k, s in kinds.items())
+        orig = grown / sum(layers.values())
+    else:
+        ctx = stats["context_tokens"]  # mean entries per step: t + tokens appended
+        orig = stats["full_bytes"] * (ctx + big - small) / ctx
     return {**stats, "original_full_bytes": orig, "original_read_fraction": stats["bytes_read"] / orig}

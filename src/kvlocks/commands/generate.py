@@ -256,8 +256,9 @@ def run(args) -> int:
 def _summary_line(stats: dict, prefix: dict | None, prompt_tokens: int) -> str:
     if prefix is None:
         return f"prompt {prompt_tokens} tokens; {bytes_line(stats)}"
+    where = "global layer" if "window" in stats.get("layers", {}) else "layer"
     head = (f"after the {prefix['compaction']} prefix of {prefix['T']} tokens ({prefix['t']} entries per "
-            f"layer and KV head, {100 * prefix['t'] / prefix['T']:.1f}%); prompt {prompt_tokens} tokens; ")
+            f"{where} and KV head, {100 * prefix['t'] / prefix['T']:.1f}%); prompt {prompt_tokens} tokens; ")
     if stats:
         return head + bytes_line(stats, original=prefix)
     return head + "dense SDPA over the compacted entries with the prefix's logit bias as attn_mask"

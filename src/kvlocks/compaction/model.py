@@ -197,7 +197,7 @@ _FIT_BYTES_PER_HEAD_ROW_COL = 8 * 6  # float64 [n, t] matrices alive at once in 
 
 def layer_chunks(capture: Capture, t: int, config: CompactionConfig, device,
                  layers: list[int] | None = None) -> list[list[int]]:
-    """Consecutive layers whose KV heads are fitted together in one batched fit.
+    """Layers whose KV heads are fitted together in one batched fit (consecutive among ``layers``).
 
     On a GPU a fit of one layer is a few hundred small launches (the bias solve's active-set
     steps, the refits' factorisations) that take about as long for 3 heads as for 90: layers are

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 LAYER_KINDS = ("sparse", "dense", "window")
-_FIELDS = ("layer_steps", "tokens_attended", "selection_bytes", "kv_bytes", "full_bytes")
+_FIELDS = ("layer_steps", "tokens_attended", "selection_bytes", "kv_bytes", "full_bytes", "context_tokens")
 
 
 @dataclass
@@ -46,7 +46,7 @@ class DecodeStats:
         self.kv_bytes += kv_bytes
         self.full_bytes += full_bytes
         sums = self.kinds.setdefault(kind, dict.fromkeys(_FIELDS, 0))
-        for name, value in zip(_FIELDS, (1, tokens, selection_bytes, kv_bytes, full_bytes)):
+        for name, value in zip(_FIELDS, (1, tokens, selection_bytes, kv_bytes, full_bytes, context)):
             sums[name] += value
 
     def summary(self) -> dict:
@@ -60,7 +60,7 @@ class DecodeStats:
             m = s["layer_steps"]
             by_kind[kind] = {"tokens_attended": s["tokens_attended"] / m, "selection_bytes": s["selection_bytes"] / m,
                              "kv_bytes": s["kv_bytes"] / m, "bytes_read": (s["selection_bytes"] + s["kv_bytes"]) / m,
-                             "full_bytes": s["full_bytes"] / m}
+                             "full_bytes": s["full_bytes"] / m, "context_tokens": s["context_tokens"] / m}
         return {
             "decode_steps": self.steps,
             "pages_selected": self.pages_selected / n,
