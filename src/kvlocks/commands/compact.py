@@ -131,7 +131,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"{prefix.method}: {prefix.prefix_len} tokens -> {prefix.kept} entries per layer and "
+        where = "global layer" if prefix.windows is not None else "layer"
+        print(f"{prefix.method}: {prefix.prefix_len} tokens -> {prefix.kept} entries per {where} and "
               f"KV head in {prefix.compact_seconds:.1f} s; wrote {args.out} ({human_bytes(size)})")
         if prefix.windows is not None:
             kept = min(prefix.prefix_len, max(w for w in prefix.windows if w) - 1)

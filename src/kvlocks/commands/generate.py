@@ -234,7 +234,7 @@ def run(args) -> int:
         cache = open_cache(model, args.cache, method=args.method, config=config)
         inputs = continuation_inputs(cache, enc.input_ids)
         prefix = {"file": str(args.cache), "T": cache.prefix_len, "t": cache.kept,
-                  "compaction": cache.compaction}
+                  "compaction": cache.compaction, "hybrid": any(x.is_sliding for x in cache.layers)}
     else:
         cache = LocksCache(model.config, method=_method(args.method, model, tok, prompt), config=config)
     torch.manual_seed(args.seed)
@@ -256,7 +256,7 @@ def run(args) -> int:
 def _summary_line(stats: dict, prefix: dict | None, prompt_tokens: int) -> str:
     if prefix is None:
         return f"prompt {prompt_tokens} tokens; {bytes_line(stats)}"
-    where = "global layer" if "window" in stats.get("layers", {}) else "layer"
+    where = "global layer" if prefix.get("hybrid") else "layer"
     head = (f"after the {prefix['compaction']} prefix of {prefix['T']} tokens ({prefix['t']} entries per "
             f"{where} and KV head, {100 * prefix['t'] / prefix['T']:.1f}%); prompt {prompt_tokens} tokens; ")
     if stats:
