@@ -95,3 +95,29 @@ def test_passkey_2k_cell_with_full_locks_and_oracle(model_tok, tmp_path):
         assert rows[m]["stats_layers"] == {"window": 15, "sparse": 3}
         assert rows[m]["stats_by_kind"]["sparse"]["tokens_attended"] == pytest.approx(256, abs=16)
         assert rows[m]["stats_read_fraction"] < rows["full"]["stats_read_fraction"] == 1
+
+
+def test_compacted_prefix_keeps_a_planted_key(model_tok, tmp_path):
+    """Fold at ratio 0.25 with the question (the 3 global layers compacted, the sliding layers'
+    last 511 tokens kept): the compacted file answers the planted key as the original context does.
+    A base model's question pass is the question exactly as `kvlocks generate --prompt` feeds it
+    (wrapped in blank lines it continued on a new line, and every ratio lost the key)."""
+    from kvlocks.compaction import CompactionConfig, cachefile, serve
+    from kvlocks.compaction.model import compact_prefix
+    from kvlocks.compaction.passes import ReferenceConfig
+
+    model, tok = model_tok
+    ids = _text_ids(tok, 700)
+    fact = tok(" The pass key is 58213. Remember it.", return_tensors="pt", add_special_tokens=False).input_ids
+    prefix_ids = torch.cat([ids[:, :300], fact, ids[:, 300:]], dim=1)  # the key ~400 tokens before the end
+    question = " What is the pass key? The pass key is"
+    reference = ReferenceConfig(self_study_tokens=8, questions=(question,))  # kvlocks compact --question
+    prefix = compact_prefix(model, tok, prefix_ids, CompactionConfig(method="fold", ratio=0.25), reference=reference)
+    assert prefix.windows[5] is None and prefix.windows[0] == WINDOW and prefix.keys[0].shape[1] == WINDOW - 1
+    assert prefix.kept == prefix_ids.shape[1] // 4
+    q = tok(question, return_tensors="pt", add_special_tokens=False).input_ids
+    cache = serve.open_cache(model, cachefile.save(tmp_path / "g.safetensors", prefix))
+    got = tok.decode(serve.generate(model, cache, q, max_new_tokens=8, do_sample=False)[0])
+    with torch.inference_mode():
+        full = model.generate(torch.cat([prefix_ids, q], 1), max_new_tokens=8, do_sample=False)
+    assert "58213" in tok.decode(full[0, prefix_ids.shape[1] + q.shape[1]:]) and "58213" in got

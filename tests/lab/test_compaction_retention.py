@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 from types import SimpleNamespace
@@ -42,6 +43,10 @@ def test_question_passes_are_fed_as_generate_feeds_a_prompt(model_tok):
                                    add_generation_prompt=True)
     assert p.name == "question_0" and p.generate == 5
     assert p.ids[0].tolist() == tok(want, add_special_tokens=False).input_ids
+    base = copy.copy(tok)  # a base model (no chat template): the question exactly as generate feeds --prompt
+    base.chat_template = None
+    (p,) = reference_passes(base, ctx, ref)
+    assert p.ids[0].tolist() == tok("What is the key?", add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="questions"):
         ReferenceConfig(questions=("",))
 

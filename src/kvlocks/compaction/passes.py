@@ -57,8 +57,9 @@ class ReferenceConfig:
     questions : tuple of str
         Questions the compacted prefix will be asked (user-supplied reference queries), each
         fed as ``kvlocks generate --cache`` feeds a prompt (a user turn of the chat template with
-        the generation prompt, where the tokenizer has one: the next turn after a ``chat`` prefix) and followed by ``self_study_tokens``
-        greedy tokens: the queries of the answer read the prefix as the real answer will.
+        the generation prompt, where the tokenizer has one: the next turn after a ``chat`` prefix;
+        the text as it is for a base model) and followed by ``self_study_tokens`` greedy tokens:
+        the queries of the answer read the prefix as the real answer will.
     """
 
     repeat: bool = True
@@ -147,7 +148,10 @@ def reference_passes(tokenizer, prefix_ids: torch.Tensor, config: ReferenceConfi
         ids = _instruction_ids(tokenizer, prompt, config.chat)
         passes.append(QueryPass(f"self_study_{i}", ids, generate=config.self_study_tokens))
     for i, question in enumerate(config.questions):
-        ids = _instruction_ids(tokenizer, question, True, after_chat=config.chat)
+        if getattr(tokenizer, "chat_template", None):
+            ids = _instruction_ids(tokenizer, question, True, after_chat=config.chat)
+        else:  # a base model: the text exactly as `kvlocks generate --cache --prompt` feeds it
+            ids = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids
         passes.append(QueryPass(f"question_{i}", ids, generate=config.self_study_tokens))
     return passes
 
