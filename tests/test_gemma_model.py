@@ -35,6 +35,18 @@ def test_converted_model_is_the_hybrid_base_model(model_tok):
     assert tok("a").input_ids[0] == tok.bos_token_id == 2
 
 
+def test_tokenizer_reads_text_as_the_model_was_trained(model_tok):
+    """<bos> first, digits one by one, a decode that gives the text back (a converter that drops
+    <bos> or breaks merges fails this and ``check_tokenizer``)."""
+    from kvlocks.models.bundled import CANARY_TEXT, check_tokenizer
+
+    _, tok = model_tok
+    check_tokenizer("gemma3-270m", tok)
+    ids = tok(CANARY_TEXT)["input_ids"]
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids[1:]) == CANARY_TEXT and [tok.decode([i]) for i in ids[6:11]] == list("77696")
+
+
 def _text_ids(tok, n):
     from kvlocks.corpus import natural_units
 

