@@ -70,9 +70,8 @@ def compact_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     Shapes as transformers' SDPA attention: query ``[B, Hq, L, D]``, key/value
     ``[B, Hkv, N, D]``; returns ``([B, L, Hq, D], None)``.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from kvlocks.integrations.hf import kvlocks_attention
+    from kvlocks.integrations.sdpa import dense_attention
 
     recorder = getattr(key, "_kvlocks_record", None)
     if recorder is not None:
@@ -81,8 +80,7 @@ def compact_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if layer is not None:
         layer.bias_consumed = True
         mask = bias_mask(query, key, attention_mask, layer.bias)  # [B, Hq, L, N]
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return dense_attention(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return kvlocks_attention(module, query, key, value, attention_mask, dropout=dropout,
                              scaling=scaling, **kwargs)
 

@@ -357,7 +357,7 @@ class LocksCache(Cache):
 
 def kvlocks_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention function registered as ``"kvlocks"`` in transformers' ``AttentionInterface``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from kvlocks.integrations.sdpa import dense_attention
 
     layer = getattr(key, "_kvlocks_layer", None)
     if layer is not None and query.shape[2] == 1:
@@ -365,7 +365,7 @@ def kvlocks_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return layer.decode(query, key, value, attention_mask, scale), None
         layer.count_dense(key)  # full on a global layer, or a sliding layer's window
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def register() -> None:
