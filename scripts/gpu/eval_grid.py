@@ -1,8 +1,10 @@
 """Run a grid of ``kvlocks eval`` jobs side by side on the device, resumable across calls.
 
 One ``kvlocks eval`` process per line of a grid file (``scripts/gpu/grids/*.txt``: a job name,
-then the eval's options), all at once, each with one CPU thread: the HF decode path is bound by
-Python and kernel launches, so one process leaves the GPU mostly idle and a dozen share it well.
+then the eval's options), at most ``--parallel`` at once (the next starts when one ends), each
+with one CPU thread: the HF decode path is bound by Python and kernel launches, so one process
+leaves the GPU mostly idle and a dozen share it well; 20 at once ran an H100's 80 GB out of
+memory (three SmolLM2 jobs stopped) and left each job a twentieth of the machine.
 Each job writes ``STATE/<name>/`` (its ``rows.jsonl`` grows row by row, and ``kvlocks eval``
 skips the rows it holds, so a job stopped at the time limit continues in the next call) and
 ``STATE/<name>.log``. At the end (or at ``--time-limit``) the whole state is packed into
@@ -76,8 +78,11 @@ def main(argv=None) -> int:
     p.add_argument("--state", type=Path, default=STATE)
     p.add_argument("--resume", type=Path, help="a previous call's eval_state.tgz, used when --state is absent")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds until the jobs are stopped and packed")
+    p.add_argument("--parallel", type=int, default=12, help="jobs running at once (default 12)")
     p.add_argument("--only", default="", help="comma-separated job names or name prefixes, e.g. gemma-,smollm2-8k (default: every job)")
     args = p.parse_args(argv)
+    if args.parallel < 1:
+        raise SystemExit(f"--parallel {args.parallel}: must be >= 1")
     t0 = time.monotonic()
     jobs = read_grid(args.grid)
     if args.only:
@@ -93,15 +98,16 @@ def main(argv=None) -> int:
     args.state.mkdir(parents=True, exist_ok=True)
     env = staged_env()
     before = {name: rows_of(args.state, name) for name, _ in jobs}
-    procs = {}
-    for name, opts in jobs:
-        cmd = [sys.executable, "-m", "kvlocks.cli", "eval", *opts, "--out", str(args.state / name)]
-        log = open(args.state / f"{name}.log", "a")
-        log.write(f"\n$ {shlex.join(cmd)}\n")
-        log.flush()
-        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    procs, waiting = {}, list(jobs)
     deadline = t0 + args.time_limit
-    while any(pr.poll() is None for pr in procs.values()) and time.monotonic() < deadline:
+    while (waiting or any(pr.poll() is None for pr in procs.values())) and time.monotonic() < deadline:
+        while waiting and sum(pr.poll() is None for pr in procs.values()) < args.parallel:
+            name, opts = waiting.pop(0)
+            cmd = [sys.executable, "-m", "kvlocks.cli", "eval", *opts, "--out", str(args.state / name)]
+            log = open(args.state / f"{name}.log", "a")
+            log.write(f"\n$ {shlex.join(cmd)}\n")
+            log.flush()
+            procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         time.sleep(2)
     for pr in procs.values():
         if pr.poll() is None:
@@ -118,9 +124,9 @@ def main(argv=None) -> int:
         tf.add(args.state, arcname=args.state.name,
                filter=lambda ti: None if ti.name.endswith(".pt") else ti)
     print(f"{'job':<28} {'rows':>6} {'new':>5}  exit  last log", flush=True)
-    for name, pr in procs.items():
-        n = rows_of(args.state, name)
-        rc = pr.returncode
+    for name, _ in jobs:
+        n, pr = rows_of(args.state, name), procs.get(name)
+        rc = "-" if pr is None else pr.returncode  # "-": not started (--parallel)
         print(f"{name:<28} {n:>6} {n - before[name]:>5}  {rc!s:>4}  {tail(args.state / f'{name}.log', 160)}")
     print(f"elapsed {time.monotonic() - t0:.0f} s", flush=True)
     return 0
