@@ -39,12 +39,30 @@ def test_question_is_recorded_in_the_cache_file(tmp_path):
 def test_lines_before_a_long_input_state_time_and_tradeoff():
     from kvlocks.commands.compact import _before_start
 
-    lines = _before_start(4096, CompactionConfig(ratio=0.1), ReferenceConfig())
+    lines = _before_start(4096, CompactionConfig(ratio=0.1), ReferenceConfig(), model="smollm2-135m", layer_heads=90,
+                           pass_scale=1.0)
     assert lines[0].startswith("keeping 410 of 4096 entries") and "estimated time about" in lines[0]
-    kept, n = RETENTION[0.1]
-    assert f"{kept} of {n} answers kept" in lines[1] and "--question" in lines[2]
+    kept, n = RETENTION["smollm2-135m"][0.1]
+    assert f"{kept} of {n} answers kept" in lines[1] and "(smollm2-135m," in lines[1] and "--question" in lines[2]
     assert "ratio 0.25" in tradeoff_lines(0.3, True)[1] and "0.25" in tradeoff_lines(0.3, True)[0]
-    assert "{} of {} answers kept".format(*QUESTION_RETENTION) in tradeoff_lines(0.3, True)[1]
+    assert "{} of {} answers kept".format(*QUESTION_RETENTION["smollm2-135m"][0.25]) in tradeoff_lines(0.3, True)[1]
+
+
+def test_tradeoff_is_the_model_own_and_says_so_for_other_models():
+    g = tradeoff_lines(0.1, True, "gemma3-270m")
+    assert "(gemma3-270m," in g[0] and "{} of {}".format(*RETENTION["gemma3-270m"][0.1]) in g[0]
+    assert "ratio 0.1: {} of {}".format(*QUESTION_RETENTION["gemma3-270m"][0.1]) in g[1]
+    other = tradeoff_lines(0.25, False, "/models/my-llama")
+    assert "(smollm2-135m, not this model," in other[0]
+
+
+def test_estimate_scales_the_fits_with_the_fitted_layer_heads():
+    # Gemma 3 270M fits its 3 global layers' one KV head; the bundled model 30 layers x 3 heads
+    few, many = estimate_seconds(4096, 410, layer_heads=3), estimate_seconds(4096, 410, layer_heads=90)
+    fits_90 = many - estimate_seconds(4096, 410, layer_heads=0)
+    assert few == pytest.approx(many - fits_90 * 87 / 90)
+    passes = estimate_seconds(4096, 410, layer_heads=0)
+    assert estimate_seconds(4096, 410, layer_heads=0, pass_scale=0.5) == pytest.approx(passes / 2)
 
 
 def test_estimate_grows_with_the_prefix_and_the_budget():

@@ -56,18 +56,19 @@ def add_parser(sub) -> None:
 LONG_INPUT = 1024  # tokens from which the trade-off and an estimated time are printed first
 
 
-def _before_start(num: int, config, reference) -> list[str]:
-    """The lines printed before a long compaction: kept entries, estimated time, quality."""
+def _before_start(num: int, config, reference, *, model: str, layer_heads: int, pass_scale: float) -> list[str]:
+    """The lines printed before a long compaction: kept entries, estimated time, quality.
+    ``layer_heads``: (layer, KV head) pairs that are fitted; ``pass_scale``: as in ``estimate_seconds``."""
     from kvlocks.compaction.estimate import estimate_seconds, tradeoff_lines
 
     t = config.budget(num)
     prompts = len(reference.self_study) + len(reference.questions)
     est = estimate_seconds(num, t, max_queries=config.max_queries, repeat_tokens=reference.repeat_tokens,
-                           repeat_span=reference.repeat_span,
+                           repeat_span=reference.repeat_span, layer_heads=layer_heads, pass_scale=pass_scale,
                            decode_steps=prompts * (reference.self_study_tokens + 15))  # ~15-token prompts
     return [f"keeping {t} of {num} entries per layer and KV head; estimated time about {est:.0f} s "
             "(measured scale: one thread of a 2-core x86-64 CPU; a busy machine is slower)",
-            *tradeoff_lines(config.ratio, bool(reference.questions))]
+            *tradeoff_lines(config.ratio, bool(reference.questions), model)]
 
 
 def _prefix_ids(text: str, args, tok):
@@ -106,7 +107,10 @@ def run(args) -> int:
     if not args.json:
         status(f"compacting {ids.shape[1]} tokens with {args.method} (ratio {args.ratio})")
         if ids.shape[1] >= LONG_INPUT:
-            for line in _before_start(ids.shape[1], config, reference):
+            text_cfg = model.config.get_text_config(decoder=True)
+            for line in _before_start(ids.shape[1], config, reference, model=args.model,
+                                      layer_heads=fitted * text_cfg.num_key_value_heads,
+                                      pass_scale=text_cfg.num_hidden_layers * text_cfg.hidden_size / (30 * 576)):
                 print(line)
     bar = Progress(steps, "compact", "step", disable=args.json)
     calls = 0
