@@ -7,6 +7,7 @@ import io
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from kvlocks.compaction.config import CompactionConfig
@@ -27,13 +28,35 @@ def test_question_is_recorded_in_the_cache_file(tmp_path):
     with contextlib.redirect_stdout(buf):
         rc = main(["compact", "--input", str(text), "--out", str(out), "--max-tokens", "64",
                    "--max-queries", "128", "--self-study-tokens", "1", "--no-repeat",
-                   "--question", "What is the text about?", "--json"])
+                   "--question", "What is the text about?", "--answer-prefix", "It is about", "--json"])
     assert rc == 0, buf.getvalue()
     report = json.loads(buf.getvalue().strip().splitlines()[-1])
     assert report["config"]["ratio"] == DEFAULT_RATIO and report["t"] == round(DEFAULT_RATIO * 64)
     with safe_open(str(out), framework="pt") as f:
         ref = json.loads(f.metadata()["reference_config"])
-    assert ref["questions"] == ["What is the text about?"]
+    assert ref["questions"] == ["What is the text about?"] and ref["answer_prefix"] == "It is about"
+
+
+def test_answer_prefix_follows_each_question_as_generate_appends_it():
+    import copy
+
+    from kvlocks.chat import next_user_turn
+    from kvlocks.compaction.passes import reference_passes
+    from kvlocks.models import load
+
+    _, tok = load("smollm2-135m")
+    ctx = torch.tensor([[1, 2, 3]])
+    ref = ReferenceConfig(repeat=False, self_study=(), questions=("What is the key?",), answer_prefix="The key is",
+                          chat=True, self_study_tokens=4)
+    (p,) = reference_passes(tok, ctx, ref)  # generate --cache after a chat prefix: the next turn, then the prefix
+    want = next_user_turn(tok, "What is the key?") + "The key is"
+    assert p.ids[0].tolist() == tok(want, add_special_tokens=False).input_ids
+    base = copy.copy(tok)  # a base model: the question and the prefix as they are
+    base.chat_template = None
+    (p,) = reference_passes(base, ctx, ref)
+    assert p.ids[0].tolist() == tok("What is the key?The key is", add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="answer_prefix follows each question"):
+        ReferenceConfig(answer_prefix="The key is")
 
 
 def test_lines_before_a_long_input_state_time_and_tradeoff():

@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--question", action="append", metavar="TEXT",
                    help="a question the compacted prefix will be asked (repeatable): its queries, and those "
                         "of the model's answer to it, join the reference queries, so the keys it needs are kept")
+    p.add_argument("--answer-prefix", default="", metavar="TEXT",
+                   help="text after each --question, as `kvlocks generate --answer-prefix` will append it: the "
+                        "recorded queries are then those of the answer (a base model given a bare question may "
+                        "continue it otherwise)")
     defaults = CompactionConfig()
     p.add_argument("--coverage-share", type=float, default=defaults.coverage_share,
                    help="share of each head's kept keys chosen by how unique their direction is (ridge "
@@ -93,7 +97,7 @@ def run(args) -> int:
                               bias_solver=args.bias_solver, coverage_share=args.coverage_share,
                               value_anchor=args.value_anchor)
     reference = ReferenceConfig(repeat=not args.no_repeat, self_study_tokens=args.self_study_tokens,
-                                chat=args.chat, questions=tuple(args.question or ()))
+                                chat=args.chat, questions=tuple(args.question or ()), answer_prefix=args.answer_prefix)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens={args.max_tokens}: must be >= 1")
     text = read_text_file("--input", args.input)

@@ -60,6 +60,11 @@ class ReferenceConfig:
         the generation prompt, where the tokenizer has one: the next turn after a ``chat`` prefix;
         the text as it is for a base model) and followed by ``self_study_tokens`` greedy tokens:
         the queries of the answer read the prefix as the real answer will.
+    answer_prefix : str
+        Text after each question, as ``kvlocks generate --answer-prefix`` appends it (only with
+        ``questions``). A base model given a bare question continues it its own way (Gemma 3 270M
+        with a new line and other text, its answer's queries then reading other keys); with the
+        prefix the recorded queries are those of the answer itself.
     """
 
     repeat: bool = True
@@ -69,11 +74,17 @@ class ReferenceConfig:
     repeat_tokens: int = 1536
     repeat_span: int = 256
     questions: tuple[str, ...] = ()
+    answer_prefix: str = ""
 
     def __post_init__(self) -> None:
         qs = self.questions
         if not isinstance(qs, tuple) or not all(isinstance(x, str) and x.strip() for x in qs):
             raise ValueError(f"ReferenceConfig.questions={qs!r}: must be a tuple of non-empty strings")
+        if not isinstance(self.answer_prefix, str):
+            raise ValueError(f"ReferenceConfig.answer_prefix={self.answer_prefix!r}: must be a string")
+        if self.answer_prefix and not qs:
+            raise ValueError("ReferenceConfig.answer_prefix follows each question: give questions with it "
+                             "(kvlocks compact --question TEXT --answer-prefix TEXT)")
         for name in ("repeat_tokens", "repeat_span"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -120,10 +131,11 @@ class QueryPass:
                              f"{self.ids.shape[1]} ids and the pass must not generate")
 
 
-def _instruction_ids(tokenizer, text: str, chat: bool, *, after_chat: bool = True) -> torch.Tensor:
+def _instruction_ids(tokenizer, text: str, chat: bool, *, after_chat: bool = True, suffix: str = "") -> torch.Tensor:
     """``text`` as fed after the prefix: with ``chat``, a user turn of the tokenizer's chat template
     with the generation prompt (the second turn after a chat prefix when ``after_chat``, as
-    ``kvlocks generate --cache`` renders it; else a conversation of its own); plain text otherwise."""
+    ``kvlocks generate --cache`` renders it; else a conversation of its own); plain text otherwise.
+    ``suffix`` follows the rendered text (an answer prefix)."""
     if chat and getattr(tokenizer, "chat_template", None):
         from kvlocks.chat import next_user_turn
 
@@ -134,7 +146,7 @@ def _instruction_ids(tokenizer, text: str, chat: bool, *, after_chat: bool = Tru
                                                  add_generation_prompt=True)
     else:
         text = f"\n\n{text}\n"
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids  # [1, L]
+    return tokenizer(text + suffix, return_tensors="pt", add_special_tokens=False).input_ids  # [1, L]
 
 
 def reference_passes(tokenizer, prefix_ids: torch.Tensor, config: ReferenceConfig
@@ -149,9 +161,9 @@ def reference_passes(tokenizer, prefix_ids: torch.Tensor, config: ReferenceConfi
         passes.append(QueryPass(f"self_study_{i}", ids, generate=config.self_study_tokens))
     for i, question in enumerate(config.questions):
         if getattr(tokenizer, "chat_template", None):
-            ids = _instruction_ids(tokenizer, question, True, after_chat=config.chat)
+            ids = _instruction_ids(tokenizer, question, True, after_chat=config.chat, suffix=config.answer_prefix)
         else:  # a base model: the text exactly as `kvlocks generate --cache --prompt` feeds it
-            ids = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids
+            ids = tokenizer(question + config.answer_prefix, return_tensors="pt", add_special_tokens=False).input_ids
         passes.append(QueryPass(f"question_{i}", ids, generate=config.self_study_tokens))
     return passes
 
