@@ -568,3 +568,28 @@ def test_auto_min_context_must_be_a_non_negative_int():
         EngineConfig(method="auto", auto_min_context=-1)
     with pytest.raises(ValueError, match="method"):
         EngineConfig(method="sometimes")
+
+
+def test_centroid_candidates_in_the_engine_equal_the_hf_path_and_triton():
+    """rerank_scores="centroid" (the locks_centroid mode) on a random GLM shape, 150 tokens (9 full
+    pages), budget 48 (k = 3: one free slot), 2 candidates: the engine's decode plan (torch and
+    Triton backends) generates the Hugging Face path's tokens (token-major centroid scores and
+    re-rank), and other tokens than the same re-rank after Eq. 4 scores."""
+    pytest.importorskip("triton")
+    from kvlocks.integrations.hf import LocksCache, cache_kwargs, enable
+
+    model = _tiny("glm4-9b-1m", seed=3, num_hidden_layers=2)
+    enable(model)
+    ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for scores in ("centroid", "summary"):
+        cfg = LocksConfig(budget=48, rerank=2, rerank_scores=scores)
+        cache = LocksCache(model.config, method="locks", config=cfg)
+        hf = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, **cache_kwargs(model, cache))[:, 150:]
+        for be in ("torch", "triton") if scores == "centroid" else ("torch",):
+            eng = DecodeEngine(model, EngineConfig(method="locks", locks=cfg, max_context=176, backend=be,
+                                                   cuda_graph=False))
+            out[scores, be] = eng.generate(ids, max_new_tokens=10)
+            assert eng.step.attn.plan.config.rerank_scores == scores
+            assert torch.equal(out[scores, be], hf), (scores, be)
+    assert not torch.equal(out["centroid", "torch"], out["summary", "torch"])

@@ -16,6 +16,7 @@ from kvlocks._config_io import ConfigIO, check_int
 COMBINE_RULES = ("mean_share", "max_share", "sum_mass")
 BASIS_BITS = (2, 4, 8, 16)
 COEF_BITS = (8, 16)
+RERANK_SCORES = ("summary", "centroid")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -53,6 +54,11 @@ class LocksConfig(ConfigIO):
         pages by those exact masses are selected (:mod:`kvlocks.selection.rerank`).
     rerank_min : int
         With ``rerank``: at least this many candidates (pages), >= 0 (default 0).
+    rerank_scores : str
+        With ``rerank``: what chooses the candidates. ``"summary"`` (default): Eq. 4 on the whole
+        summaries; ``"centroid"``: each page's centroid alone, ``log n + scale q.mu`` for its n
+        tokens (Eq. 4 at rank 0), which reads ``D + 2`` of a summary's bytes per page at int8 (the
+        ``locks_centroid`` method).
     group_pages : int
         Hierarchical scoring: 0 (off, the default) or the pages per group, 2..256 (at most 4096
         tokens). Each group of consecutive full pages has a LOCKS summary of its own (a super-page
@@ -75,6 +81,7 @@ class LocksConfig(ConfigIO):
     combine: str = "mean_share"
     rerank: int = 0
     rerank_min: int = 0
+    rerank_scores: str = "summary"
     group_pages: int = 0
     group_rank: int = 8
     group_keep: int = 1
@@ -106,6 +113,11 @@ class LocksConfig(ConfigIO):
                 self.rerank == 0 or 2 <= self.rerank <= 64):
             raise ValueError(f"LocksConfig.rerank={self.rerank!r}: allowed 0 (off) or an integer in 2..64")
         _check_int("rerank_min", self.rerank_min, 0)
+        if self.rerank_scores not in RERANK_SCORES:
+            raise ValueError(f"LocksConfig.rerank_scores={self.rerank_scores!r}: allowed {RERANK_SCORES}")
+        if self.rerank_scores == "centroid" and not self.rerank:
+            raise ValueError("LocksConfig.rerank_scores='centroid' chooses candidates for the exact re-rank from the "
+                             "page centroids: it needs rerank in 2..64 (got rerank=0)")
         if isinstance(self.group_pages, bool) or not isinstance(self.group_pages, int) or not (
                 self.group_pages == 0 or 2 <= self.group_pages <= 256):
             raise ValueError(f"LocksConfig.group_pages={self.group_pages!r}: allowed 0 (off) or an integer in 2..256")

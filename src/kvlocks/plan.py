@@ -24,7 +24,7 @@ from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
 from kvlocks.cache.layout import SummaryStore, paged_to_token_major
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.kernels_support import BACKENDS, check_config, check_plan
-from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
+from kvlocks.scoring.reference import combine_group, score_pages_from_centroids, score_pages_from_summaries
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.build import build_summaries
 
@@ -39,11 +39,18 @@ def resolve_backend(backend: str | None, device) -> str:
 
 
 def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scale=None, combine="mean_share",
-                backend=None, workspace=None, options: KernelOptions | None = None):
+                backend=None, workspace=None, options: KernelOptions | None = None, centroid: bool = False):
     """Eq. 4 scores ``[B, Hkv, G, max_pages]``, per-head LSE ``[B, Hkv, G]`` and the combined
-    ranking ``[B, Hkv, max_pages]`` (float32; entries past each sequence's full pages undefined).
-    ``workspace``: a :class:`~kvlocks.scoring.triton_combine.ScoreWorkspace` (Triton)."""
+    ranking ``[B, Hkv, max_pages]`` (float32; entries past each sequence's full pages undefined);
+    from the centroids alone with ``centroid`` (Eq. 4 at rank 0). ``workspace``: a
+    :class:`~kvlocks.scoring.triton_combine.ScoreWorkspace` (Triton; for ``centroid`` one sized by
+    :func:`kvlocks.scoring.triton_centroid.centroid_workspace`)."""
     if resolve_backend(backend, queries.device) == "triton":
+        if centroid:
+            from kvlocks.scoring.triton_centroid import score_pages_centroid
+
+            return score_pages_centroid(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
+                                        workspace=workspace)
         from kvlocks.scoring.triton import score_pages_paged
 
         return score_pages_paged(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
@@ -59,7 +66,8 @@ def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scal
         if pc == 0:
             continue
         ps = summaries.gather(block_table[b, :pc])  # leading dims [Hkv]
-        sc = score_pages_from_summaries(queries[b].view(hkv, g, d), ps, scale=scale)  # [Hkv, G, Pc]
+        score = score_pages_from_centroids if centroid else score_pages_from_summaries
+        sc = score(queries[b].view(hkv, g, d), ps, scale=scale)  # [Hkv, G, Pc]
         scores[b, :, :, :pc] = sc
         lse[b] = torch.logsumexp(sc, dim=-1)
         ranking[b, :, :pc] = combine_group(sc, combine)
@@ -150,8 +158,9 @@ def paged_build_new(k_cache, summaries: SummaryStore, block_table, seq_lens, con
 class DecodePlan:
     """Buffers and launch sizes for one decode step of a batch: plan once, ``run`` per layer.
 
-    ``run`` scores every full page, selects ``k = config.pages_per_step`` pages per
-    (sequence, KV head) and attends them, writing into buffers owned by the plan: no allocation
+    ``run`` scores every full page (Eq. 4, or with ``config.rerank_scores == "centroid"`` from the
+    centroids alone, then the exact re-rank of the candidates), selects ``k = config.pages_per_step``
+    pages per (sequence, KV head) and attends them, writing into buffers owned by the plan: no allocation
     and no host synchronisation, so a whole step can be captured in a CUDA graph (Triton backend).
     Triton backend: the score kernel, then the combine and the selection fused in one launch
     (:mod:`kvlocks.selection.fused`), then the split-KV attention and its merge. The fused
@@ -184,7 +193,12 @@ class DecodePlan:
             from kvlocks.selection.fused import fused_workspace
 
             rows = batch * num_kv_heads
-            self.score_ws = score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim)
+            if config.rerank_scores == "centroid":
+                from kvlocks.scoring.triton_centroid import centroid_workspace
+
+                self.score_ws = centroid_workspace(batch, num_kv_heads, group, max_pages, device)
+            else:
+                self.score_ws = score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim)
             self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device)
             self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
                                                  launch=self.options.dense_launches[0])
@@ -200,12 +214,20 @@ class DecodePlan:
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``.
         ``out``: where to write the attention (``[B, Hq, D]``, last dim contiguous; default a plan buffer)."""
         c, be, opts = self.config, self.backend, self.options
+        centroid = c.rerank_scores == "centroid"
         if be == "triton":  # score kernel, then combine + selection fused in one launch
-            from kvlocks.scoring.triton import score_pages_paged
             from kvlocks.selection.fused import rank_and_select
 
-            score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
-                              workspace=self.score_ws, rank=False, options=opts)
+            if centroid:
+                from kvlocks.scoring.triton_centroid import score_pages_centroid
+
+                score_pages_centroid(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                                     workspace=self.score_ws, rank=False)
+            else:
+                from kvlocks.scoring.triton import score_pages_paged
+
+                score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                                  workspace=self.score_ws, rank=False, options=opts)
             if c.rerank:  # the same launch picks the candidates; their exact masses pick the pages
                 from kvlocks.selection.triton_rerank import rerank_pages
 
@@ -221,7 +243,7 @@ class DecodePlan:
                                              recent_pages=c.recent_pages, workspace=self.select_ws, options=opts)
         else:
             scores, _, ranking = paged_score(queries, summaries, block_table, seq_lens, scale=self.scale,
-                                             combine=c.combine, backend=be)
+                                             combine=c.combine, backend=be, centroid=centroid)
             if c.rerank:
                 from kvlocks.selection.rerank_paged import paged_rerank
 

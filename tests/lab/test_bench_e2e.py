@@ -75,3 +75,22 @@ def test_bench_e2e_rows_on_cpu(tmp_path):
     assert locks["kv_bytes"] == dense["kv_bytes"] // 4  # 2 of 8 pages of K/V
     assert locks["summary_bytes"] == 2 * 2 * 8 * 498  # layers x KV heads x pages x bytes per (page, head) at D = 64
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_bench_e2e_locks_centroid_rows_count_centroids_and_candidate_keys(tmp_path):
+    """locks_centroid decodes with the centroid first stage (the plan's config says so) and counts
+    per layer and KV head 8 pages x (D + 2) centroid bytes plus 4 candidate pages of bf16 keys
+    (max(2 x 1 free slot, 0) + sink + recent), beside the same 2 pages of K/V as locks."""
+    from kvlocks_lab.bench.e2e import E2EBenchConfig, run_e2e_bench
+
+    cfg = E2EBenchConfig(models=("glm4-9b-1m",), contexts=(128,), batches=(1,), batch_context=128, budget=32,
+                         steps=3, warmup=1, max_prefill=0, compile=False, methods=("dense", "locks", "locks_centroid"),
+                         centroid_rerank=2, centroid_min=0, model_overrides={**TINY, "vocab_size": 1000})
+    rows = run_e2e_bench(tmp_path, cfg, device="cpu")["rows"]
+    assert [r["method"] for r in rows] == ["dense", "locks", "locks_centroid"]
+    locks, cen = rows[1], rows[2]
+    assert cen["kv_bytes"] == locks["kv_bytes"] and cen["budget"] == 32 and cen["tpot_ms"] > 0
+    assert (locks["rerank_scores"], cen["rerank_scores"]) == ("summary", "centroid")  # the plans that ran
+    assert cen["summary_bytes"] == 2 * 2 * (8 * (64 + 2) + 4 * 16 * 64 * 2)
+    with pytest.raises(ValueError, match="locks_centroid"):
+        E2EBenchConfig(methods=("dense", "centroid"))

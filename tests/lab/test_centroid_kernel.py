@@ -1,11 +1,13 @@
-"""The paged ``locks_centroid`` step (kvlocks_lab.selectors.centroid_kernel): the Triton centroid
-score kernel against a float64 reference from the stored int8 centroids (``log S + scale q.mu``),
-and the whole step (scores, fused candidate selection, exact re-rank, attention) against the
-token-major ``locks_centroid`` selector with the re-rank, row by row, and exact attention over the
-pages it chose. Runs in the Triton interpreter on the CPU."""
+"""The paged ``locks_centroid`` step (``LocksConfig.rerank_scores = "centroid"``): the Triton centroid
+score kernel (kvlocks.scoring.triton_centroid) against a float64 reference from the stored int8
+centroids (``log S + scale q.mu``), and the decode plan's whole step (scores, candidate selection,
+exact re-rank, attention; Triton and torch backends) against the token-major ``locks_centroid``
+selector with the re-rank, row by row, and exact attention over the pages it chose. The Triton
+kernels run in the interpreter on the CPU."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -16,15 +18,29 @@ if not torch.cuda.is_available():
 
 from kvlocks.cache.layout import SummaryStore, paged_to_token_major  # noqa: E402
 from kvlocks.config import LocksConfig  # noqa: E402
-from kvlocks.plan import paged_build  # noqa: E402
+from kvlocks.plan import DecodePlan, paged_build  # noqa: E402
+from kvlocks.scoring.triton_centroid import score_pages_centroid  # noqa: E402
 from kvlocks.selection.selectors import LayerView, choose_pages  # noqa: E402
-from kvlocks_lab.selectors.centroid_kernel import (  # noqa: E402
-    CentroidRerankPlan, centroid_reference, score_pages_centroid,
-)
 from kvlocks_lab.selectors.locks_centroid import LocksCentroidSelector  # noqa: E402
 
 S = 16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def centroid_reference(queries, summaries, block_table, seq_lens, *, scale=None):
+    """Float64 scores ``[B, Hkv, G, W]`` from the stored centroids, -inf past each row's full pages."""
+    bsz, hq, d = queries.shape
+    hkv, s = summaries.num_kv_heads, summaries.page_size
+    g, w = hq // hkv, block_table.shape[1]
+    scale = d ** -0.5 if scale is None else float(scale)
+    out = torch.full((bsz, hkv, g, w), float("-inf"), dtype=torch.float64)
+    for b in range(bsz):
+        pc = int(seq_lens[b]) // s
+        ids = block_table[b, :pc].long().cpu()
+        mu = summaries.centroid.cpu()[ids].double() * summaries.centroid_scale.cpu()[ids].double()[..., None]
+        q = queries[b].cpu().double().view(hkv, g, d)
+        out[b, :, :, :pc] = math.log(s) + scale * torch.einsum("hgd,phd->hgp", q, mu)
+    return out
 
 
 def _case(lens, hkv, g, d, cfg, seed=0):
@@ -78,19 +94,20 @@ def test_centroid_kernel_refuses_what_it_cannot_score():
         score_pages_centroid(q[..., :32], store, table, seq)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("g,rule,mult,floor", [(3, "mean_share", 4, 1), (4, "max_share", 2, 12),
                                                (1, "sum_mass", 16, 1)])
-def test_plan_selects_the_token_major_locks_centroid_pages_and_attends_them_exactly(g, rule, mult, floor):
+def test_plan_selects_the_token_major_locks_centroid_pages_and_attends_them_exactly(g, rule, mult, floor, backend):
     """k = 4 pages (2 free slots), ``max(mult * 2, floor)`` candidates from the centroids, the exact re-rank:
     the plan's pages equal ``choose_pages`` with the ``locks_centroid`` selector on each row
     (summaries read back from the store), and its output is exact softmax attention over those
     pages' tokens (float64 reference)."""
     hkv, d = 2, 64
-    cfg = LocksConfig(budget=64, rerank=mult, rerank_min=floor, combine=rule)
+    cfg = LocksConfig(budget=64, rerank=mult, rerank_min=floor, combine=rule, rerank_scores="centroid")
     lens = [40 * S, 23 * S + 5, 3 * S + 1, 9 * S]
     q, k, v, table, seq, store = _case(lens, hkv, g, d, cfg, seed=10 + g)
-    plan = CentroidRerankPlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1],
-                              config=cfg, dtype=torch.float32, device=DEV)
+    plan = DecodePlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1],
+                      config=cfg, dtype=torch.float32, device=DEV, backend=backend)
     out, _ = plan.run(q, k, v, store, table, seq)
     sel = LocksCentroidSelector()
     for b, n in enumerate(lens):

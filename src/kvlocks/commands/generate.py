@@ -24,12 +24,13 @@ class MethodList(tuple):
         parts = value.split(",") if isinstance(value, str) else [value]
         return len(set(parts)) == len(parts) and all(tuple.__contains__(self, p) for p in parts)
 # LocksConfig options of this command and their defaults (None in argparse: "given" is visible)
-LOCKS_DEFAULTS = {"budget": 256, "rank": 8, "basis_bits": 4, "combine": "mean_share"}
+LOCKS_DEFAULTS = {"budget": 256, "rank": 8, "basis_bits": 4, "combine": "mean_share", "rerank": 0, "rerank_min": 0,
+                  "rerank_scores": "summary"}
 TEMPERATURE = 0.7
 
 
 def add_parser(sub) -> None:
-    from kvlocks.config import BASIS_BITS, COMBINE_RULES
+    from kvlocks.config import BASIS_BITS, COMBINE_RULES, RERANK_SCORES
     from kvlocks.selection.hierarchy import HIER_METHOD
     from kvlocks.selection.rerank import RERANK_METHOD
     from kvlocks.selection.selectors import selector_names
@@ -59,6 +60,13 @@ def add_parser(sub) -> None:
     p.add_argument("--combine", default=None, choices=COMBINE_RULES,
                    help="how the query heads of a GQA group combine their page scores "
                         f"(default: {LOCKS_DEFAULTS['combine']})")
+    p.add_argument("--rerank", type=int, default=None, help="two-stage selection: the scores choose this many "
+                   "times (k - 2) candidate pages, their exact masses from their keys pick the k (2..64; default: off)")
+    p.add_argument("--rerank-min", type=int, default=None, help="with --rerank: at least this many candidates")
+    p.add_argument("--rerank-scores", default=None, choices=RERANK_SCORES,
+                   help="with --rerank: what chooses the candidates: the whole summaries (Eq. 4) or their centroids "
+                        "alone (reads D + 2 bytes a page; e.g. --engine locks --rerank 8 --rerank-min 256 "
+                        "--rerank-scores centroid; default: summary)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt")

@@ -282,7 +282,7 @@ class LocksCache(Cache):
         if method == RERANK_METHOD and not self.config.rerank:
             self.config = dataclasses.replace(self.config, rerank=DEFAULT_RERANK)
         for field, value in getattr(self.selector, "config_defaults", {}).items():  # e.g. its candidates
-            if not getattr(self.config, field):
+            if getattr(self.config, field) == LocksConfig.__dataclass_fields__[field].default:
                 self.config = dataclasses.replace(self.config, **{field: value})
         if method == HIER_METHOD and not self.config.group_pages:
             self.config = dataclasses.replace(self.config, **DEFAULT_GROUPS)

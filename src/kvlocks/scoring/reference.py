@@ -56,6 +56,27 @@ def score_pages_from_summaries(
     return _masked_lse(summary_logits(queries, summaries, scale), token_mask)
 
 
+def score_pages_from_centroids(
+    queries: torch.Tensor,
+    summaries: PageSummaries,
+    *,
+    scale: float | None = None,
+    token_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eq. 4 at rank 0: ``log n + scale * q.mu`` per page of ``n`` real tokens (``mu`` its centroid).
+
+    At most the page's log-sum-exp by Jensen's inequality (up to the centroid's rounding), from
+    ``D`` of the summary's numbers. queries ``[..., G, D]``; token_mask optional bool
+    ``[..., P, S]`` -> float32 ``[..., G, P]``; a page with no real token scores ``-inf``.
+    """
+    qmu = torch.einsum("...gd,...pd->...gp", queries.float(), summaries.centroid_float())
+    logits = qmu * _scale(summaries.head_dim, scale)
+    if token_mask is None:
+        return logits + math.log(summaries.page_size)
+    n = token_mask.sum(-1).unsqueeze(-2).float()  # [..., 1, P]
+    return torch.where(n > 0, logits + n.clamp_min(1).log(), NEG_INF)
+
+
 def exact_page_lse(
     queries: torch.Tensor,
     keys: torch.Tensor,

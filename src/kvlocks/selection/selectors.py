@@ -25,7 +25,9 @@ from typing import Protocol
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages_from_summaries
+from kvlocks.scoring.reference import (
+    combine_group, exact_page_lse, score_pages_from_centroids, score_pages_from_summaries,
+)
 from kvlocks.selection._common import page_mask
 from kvlocks.selection.hierarchy import hierarchical_page_scores, hierarchical_ranking
 from kvlocks.selection.rerank import rerank_ranking
@@ -68,7 +70,8 @@ class Selector(Protocol):
     - ``bytes_per_page(config, head_dim, elem_size) -> (payload, scales)`` and
       ``selection_bytes(config, head_dim, elem_size, full_pages) -> float``: the bytes a selector
       with its own resident summary reads per page and per step (one KV head);
-    - ``config_defaults``: ``LocksConfig`` fields the cache sets where the configuration leaves them 0.
+    - ``config_defaults``: ``LocksConfig`` fields the cache sets where the configuration leaves them at
+      their defaults.
     """
 
     name: str
@@ -84,7 +87,8 @@ def _page_mask(view: LayerView, page_size: int, pc: int) -> torch.Tensor | None:
 
 
 class LocksSelector:
-    """Eq. 4 scores from the quantized page summaries only."""
+    """Eq. 4 scores from the quantized page summaries only (from their centroids alone with
+    ``config.rerank_scores == "centroid"``, where they only choose the re-rank's candidates)."""
 
     name = "locks"
     needs_summaries = True
@@ -92,9 +96,8 @@ class LocksSelector:
 
     def page_scores(self, queries, view, config):
         s = view.summaries
-        return score_pages_from_summaries(
-            queries, s, scale=view.scale, token_mask=_page_mask(view, config.page_size, s.num_pages)
-        )
+        score = score_pages_from_centroids if config.rerank_scores == "centroid" else score_pages_from_summaries
+        return score(queries, s, scale=view.scale, token_mask=_page_mask(view, config.page_size, s.num_pages))
 
 
 class OracleSelector:

@@ -56,6 +56,7 @@ class _Case:
         cfg = bench.cfg
         self.capacity = n + cfg.steps + cfg.warmup + 16  # every method restarts at n; graph warm-up is undone
         self.lcfg = LocksConfig(budget=cfg.budget)
+        self.configs = {"locks": self.lcfg, "locks_centroid": cfg.centroid_config(self.lcfg)}
         self.real_prefill = n * bsz <= cfg.max_prefill
         self.overlap: dict = {}  # the LOCKS prefill's fields (real prefills only)
 
@@ -98,7 +99,7 @@ class _Case:
                         t0 = _now(dev)
                         logits = prefill(p, self.cache, ids, chunk=cfg.prefill_chunk)
                         dense_ms.append(_elapsed_s(dev, t0) * 1e3)
-                    elif "locks" in cfg.methods:
+                    elif any(m != "dense" for m in cfg.methods):
                         if not overlapped:  # untimed, after the first dense prefill filled the cache
                             self.cache.build(backend=self.b.backend, layers=range(1),
                                              options=cfg.kernels)  # compiles / autotunes
@@ -122,7 +123,7 @@ class _Case:
                                 f"(random K/V fill)")
             self.first = torch.ones(self.bsz, dtype=torch.long, device=dev)
         self.build_ms = None
-        if "locks" in cfg.methods:
+        if any(m != "dense" for m in cfg.methods):
             self.cache.build(backend=self.b.backend, layers=range(1), options=cfg.kernels)  # untimed: compiles
             _sync(dev)
             t0 = _now(dev)
@@ -149,8 +150,11 @@ class _Case:
     def measure(self, method: str) -> dict:
         cfg, dev = self.b.cfg, self.b.device
         self.cache.set_length(self.n)
-        step = DecodeStep(self.parts, self.cache, method=method, backend=self.b.backend, compile=cfg.compile,
-                          options=cfg.kernels)
+        sparse = method != "dense"
+        self.cache.config = self.configs.get(method, self.lcfg)  # the plan's selection (same summaries)
+        step = DecodeStep(self.parts, self.cache, method="locks" if sparse else method, backend=self.b.backend,
+                          compile=cfg.compile, options=cfg.kernels)
+        self.cache.config = self.lcfg
         step.tokens.copy_(self.first)
         step.attn.tune()  # the attention kernel's fastest launch for this cache (before the graph)
         runner = StepRunner(step, use_graph=self.b.use_graph)
@@ -164,10 +168,11 @@ class _Case:
                "attention_launch_us": tuned.times_us if tuned else None,
                "tpot_mean_ms": statistics.fmean(times), "tpot_max_ms": max(times), "steps": cfg.steps,
                "tpot_p10_ms": _quantile(times, 0.1), "tpot_p90_ms": _quantile(times, 0.9),
-               "budget": cfg.budget if method == "locks" else None,
-               "build_ms": self.build_ms if method == "locks" else None,
-               **(self.overlap if method == "locks" else {}),
-               **step_bytes(self.parts, self.cache, method, self.n)}
+               "budget": cfg.budget if sparse else None,
+               "rerank_scores": step.attn.plan.config.rerank_scores if sparse else None,
+               "build_ms": self.build_ms if sparse else None,
+               **(self.overlap if sparse else {}),
+               **step_bytes(self.parts, self.cache, method, self.n, self.configs.get(method))}
         if dev.type == "cuda":
             row["gpu_mem_gb"] = torch.cuda.memory_allocated(dev) / 1e9
             row["gpu_peak_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9

@@ -3,6 +3,7 @@ and the columns of its rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from kvlocks._config_io import ConfigIO, check_int
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.engine.models import SHAPES
 
+E2E_METHODS = ("dense", "locks", "locks_centroid")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROW_KEYS = ("model", "context", "batch", "method", "budget", "kernel", "compile_mode", "tpot_ms", "tpot_mean_ms",
             "tpot_max_ms", "ttft_ms", "ttft_note",
@@ -27,8 +29,10 @@ class E2EBenchConfig(ConfigIO):
     contexts: tuple[int, ...] = (16384, 32768, 65536, 131072, 262144, 524288, 1048576)  # 32K: the crossover target
     batches: tuple[int, ...] = (1, 2, 3, 4)
     batch_context: int = 262144
-    methods: tuple[str, ...] = ("dense", "locks")
+    methods: tuple[str, ...] = ("dense", "locks")  # also "locks_centroid": centroids choose the re-rank's candidates
     budget: int = 2048
+    centroid_rerank: int = 8  # locks_centroid: candidates = max(centroid_rerank * (k - 2), centroid_min) pages
+    centroid_min: int = 256
     steps: int = 48
     warmup: int = 4
     max_prefill: int = 131072
@@ -46,6 +50,11 @@ class E2EBenchConfig(ConfigIO):
     # The bench raises the limit to this and makes reaching it an error of that case instead.
     recompile_limit: int = 64
 
+    def centroid_config(self, base: LocksConfig) -> LocksConfig:
+        """``base`` with the locks_centroid candidates (``rerank_scores="centroid"``)."""
+        return dataclasses.replace(base, rerank=self.centroid_rerank, rerank_min=self.centroid_min,
+                                   rerank_scores="centroid")
+
     def __post_init__(self) -> None:
         if isinstance(self.kernels, dict):  # from_json
             object.__setattr__(self, "kernels", KernelOptions(**self.kernels))
@@ -56,9 +65,9 @@ class E2EBenchConfig(ConfigIO):
             if m not in SHAPES:
                 raise ValueError(f"E2EBenchConfig.models: {m!r} not in {tuple(SHAPES)}")
         for m in self.methods:
-            if m not in ("dense", "locks"):
-                raise ValueError(f"E2EBenchConfig.methods: {m!r} not in ('dense', 'locks')")
-        LocksConfig(budget=self.budget)  # validates the budget
+            if m not in E2E_METHODS:
+                raise ValueError(f"E2EBenchConfig.methods: {m!r} not in {E2E_METHODS}")
+        self.centroid_config(LocksConfig(budget=self.budget))  # validates the budget and the candidates
         for n in (*self.contexts, self.batch_context):
             check_int("E2EBenchConfig", "contexts", n, 16)
         for b in self.batches:

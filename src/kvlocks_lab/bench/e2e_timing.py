@@ -44,18 +44,26 @@ def _elapsed_s(device, start) -> float:
     return time.perf_counter() - start
 
 
-def step_bytes(parts: ModelParts, cache: StaticPagedCache, method: str, context: int) -> dict:
-    """Bytes one decode step must read at ``context`` tokens (all layers, all sequences)."""
+def step_bytes(parts: ModelParts, cache: StaticPagedCache, method: str, context: int, config=None) -> dict:
+    """Bytes one decode step must read at ``context`` tokens (all layers, all sequences); ``config``:
+    the method's LocksConfig (default the cache's). With ``rerank_scores="centroid"`` the selection
+    reads every full page's int8 centroid and scale (D + 2 bytes) and the candidates' keys."""
     layers, (hkv, d) = parts.num_layers, cache.k.shape[-2:]
     elem, s = cache.k.element_size(), cache.page_size
     rows = layers * cache.batch * hkv
     w = parts.weight_bytes()
+    config = config or cache.config
     if method == "dense":
         kv, summ = rows * 2 * context * d * elem, 0
     else:
-        pages = min(cache.config.pages_per_step, -(-context // s))
+        pages = min(config.pages_per_step, -(-context // s))
         kv = rows * 2 * pages * s * d * elem
-        summ = rows * (context // s) * cache.summaries[0].bytes_per_page_head()
+        full = context // s
+        if config.rerank_scores == "centroid":
+            cand = min(full, config.rerank_candidates(full) + config.sink_pages + config.recent_pages)
+            summ = rows * (full * (d + 2) + cand * s * d * elem)
+        else:
+            summ = rows * full * cache.summaries[0].bytes_per_page_head()
     return {"weight_bytes": w, "kv_bytes": kv, "summary_bytes": summ, "bytes_per_step": w + kv + summ}
 
 

@@ -14,7 +14,7 @@ the fused combine + selection (:mod:`kvlocks.selection.fused`, which reads the p
 selection paths are also timed as ``x_select_unfused`` (the combine pass + the two-launch
 selection) and ``x_select_fused``, and the score kernels pinned (``x_score_mma``, ``x_score_packed``).
 ``centroid_score`` and ``centroid_c16_total`` / ``centroid_c8_total`` are the reduced-read mode
-``locks_centroid`` (:mod:`kvlocks_lab.selectors.centroid_kernel`): the centroid score kernel alone,
+``locks_centroid`` (`LocksConfig.rerank_scores = "centroid"`, :mod:`kvlocks.scoring.triton_centroid`): the centroid score kernel alone,
 and the whole step with 16 or 8 times (k - 2) candidates re-ranked exactly.
 
 Writes ``DIR/summary.json`` (config, device, versions, copy bandwidth, rows) and

@@ -45,7 +45,8 @@ def add_parser(sub) -> None:
     e.add_argument("--contexts", help="batch-1 contexts, e.g. 16K,64K,128K,256K,512K,1M")
     e.add_argument("--batches", help="batches at --batch-context, e.g. 1,2,3,4")
     e.add_argument("--batch-context", help="context of the batch sweep, e.g. 256K")
-    e.add_argument("--methods", help="comma-separated: dense, locks")
+    e.add_argument("--methods", help="comma-separated: dense, locks, locks_centroid (the centroids choose "
+                   "max(8 (k - 2), 256) candidates for the exact re-rank)")
     e.add_argument("--budget", type=int, help="LOCKS tokens per layer and KV head (default 2048)")
     e.add_argument("--steps", type=int, help="timed CUDA-graph replays per row (default 48)")
     e.add_argument("--warmup", type=int, help="untimed replays per row (default 4)")

@@ -10,32 +10,31 @@ Unless the configuration sets them, the multiple is 16 and the candidates are at
 miss needle pages the rank-8 summaries find, and 256 pages of keys are little to read there
 (``docs/locks.md``); at 1M tokens and budget 2048 the multiple gives 2,016 and the floor is idle. Unlike the ``centroid``
 baseline (:mod:`.centroid`, which recomputes centroids from the keys at a chosen precision), it
-scores from the summaries a LOCKS cache keeps. Runs on the references (the Hugging Face path).
+scores from the summaries a LOCKS cache keeps.
 """
 
 from __future__ import annotations
 
-import torch
-
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import NEG_INF, page_mask
+from kvlocks.scoring.reference import score_pages_from_centroids
+from kvlocks.selection._common import page_mask
+from kvlocks.selection.selectors import LocksSelector
 
 
-class LocksCentroidSelector:
-    """Scores from the LOCKS summaries' centroids; the cache's re-rank decides (``config_defaults``)."""
+class LocksCentroidSelector(LocksSelector):
+    """LOCKS with ``rerank_scores="centroid"``: the summaries' centroids choose the candidates
+    (:func:`kvlocks.scoring.reference.score_pages_from_centroids`), the cache's re-rank decides
+    (``config_defaults``). The product's decode plan runs the same configuration on the paged
+    layout (:class:`kvlocks.plan.DecodePlan`)."""
 
     name = "locks_centroid"
-    needs_summaries = True
-    reads_all_keys = False
-    config_defaults = {"rerank": 16, "rerank_min": 256}
+    config_defaults = {"rerank": 16, "rerank_min": 256, "rerank_scores": "centroid"}
 
-    def page_scores(self, queries: torch.Tensor, view, config: LocksConfig) -> torch.Tensor:
-        """queries ``[..., G, D]`` -> float32 ``[..., G, Pc]``."""
+    def page_scores(self, queries, view, config: LocksConfig):
+        """Centroid scores whatever ``config.rerank_scores`` says (this selector's own scores)."""
         s = view.summaries
-        logits = torch.einsum("...gd,...pd->...gp", queries.float(), s.centroid_float()) * view.scale
-        pm = page_mask(view.token_mask, config.page_size, s.num_pages)  # [..., Pc, S] or None
-        n = torch.full_like(logits[..., :1, :], config.page_size) if pm is None else pm.sum(-1).unsqueeze(-2).float()
-        return torch.where(n > 0, logits + n.clamp_min(1).log(), NEG_INF)
+        return score_pages_from_centroids(queries, s, scale=view.scale,
+                                          token_mask=page_mask(view.token_mask, config.page_size, s.num_pages))
 
     def selection_bytes(self, config: LocksConfig, head_dim: int, elem_size: int, full_pages: int) -> float:
         """The centroids' bytes (int8 and a float16 scale, or float16 at ``coef_bits=16``), one KV head."""

@@ -1,23 +1,19 @@
-"""``locks_centroid`` on the paged layout: a Triton score kernel over the summaries' centroids, then
-the product's fused selection of the candidates and its exact re-rank (the GPU path of
-:mod:`.locks_centroid`).
+"""Centroid page scores on the paged layout (``LocksConfig.rerank_scores = "centroid"``): a Triton kernel.
 
 A full page p of S tokens scores ``log S + scale * q.mu_p`` per query head, ``mu_p`` its LOCKS
-summary's int8 centroid times the float16 scale: Eq. 4 at rank 0. The kernel reads ``D + 2`` bytes
+summary's int8 centroid times the float16 scale: Eq. 4 at rank 0
+(:func:`kvlocks.scoring.reference.score_pages_from_centroids`). The kernel reads ``D + 2`` bytes
 per (page, KV head) of the summary's 818 (D 128, rank 8) and writes what every score kernel writes
 (:class:`kvlocks.scoring.triton_combine.ScoreWorkspace`: per-head scores and the per-program
 log-sum-exp statistics), so :func:`kvlocks.selection.fused.rank_and_select` picks the
-``rerank * (k - sink - recent)`` candidates with the forced pages, and
-:func:`kvlocks.selection.triton_rerank.rerank_pages` ranks the candidates by their exact masses
-from their keys (the other pages keep their centroid estimates in each head's normaliser).
-
-:class:`CentroidRerankPlan` runs the whole step (score, select, re-rank, attend) on fixed buffers,
-as :class:`kvlocks.plan.DecodePlan` runs flat LOCKS; the kernel bench times it.
+``rerank * (k - sink - recent)`` candidates with the forced pages and
+:func:`kvlocks.selection.triton_rerank.rerank_pages` ranks them by their exact masses from their
+keys (the other pages keep their centroid estimates in each head's normaliser):
+:class:`kvlocks.plan.DecodePlan` runs that step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -25,7 +21,6 @@ import triton
 import triton.language as tl
 
 from kvlocks.cache.layout import SummaryStore, dot_dtype
-from kvlocks.config import LocksConfig
 from kvlocks.scoring.triton_combine import (
     LOG2E, ScoreWorkspace, finish_scores, launch_sizes, row_chunk, store_and_fold,
 )
@@ -99,66 +94,3 @@ def score_pages_centroid(queries: torch.Tensor, summaries: SummaryStore, block_t
         DOT_DT=dot_dtype(queries.dtype),
         PREC="tf32" if half else "ieee", num_warps=4)
     return finish_scores(ws, seq_lens, hkv, g, max_pages, s, combine, rank)
-
-
-def centroid_reference(queries: torch.Tensor, summaries: SummaryStore, block_table: torch.Tensor,
-                       seq_lens: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Float64 reference of the kernel's scores: ``[B, Hkv, G, W]``, -inf past each row's full pages."""
-    bsz, hq, d = queries.shape
-    hkv, s = summaries.num_kv_heads, summaries.page_size
-    g, w = hq // hkv, block_table.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out = torch.full((bsz, hkv, g, w), float("-inf"), dtype=torch.float64)
-    for b in range(bsz):
-        pc = int(seq_lens[b]) // s
-        ids = block_table[b, :pc].long().cpu()
-        mu = summaries.centroid.cpu()[ids].double() * summaries.centroid_scale.cpu()[ids].double()[..., None]
-        q = queries[b].cpu().double().view(hkv, g, d)
-        out[b, :, :, :pc] = math.log(s) + scale * torch.einsum("hgd,phd->hgp", q, mu)
-    return out
-
-
-class CentroidRerankPlan:
-    """One decode step of ``locks_centroid`` on the Triton kernels, buffers allocated once:
-    centroid scores, the fused selection of ``config.rerank_candidates`` candidates plus the sink and
-    recent pages (the selector's defaults where the configuration leaves ``rerank`` or
-    ``rerank_min`` 0), their exact re-rank, sparse attention."""
-
-    def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device):
-        from kvlocks.attention.triton import attention_workspace
-        from kvlocks.selection.fused import fused_workspace
-        from kvlocks.selection.triton_rerank import rerank_workspace
-
-        from kvlocks_lab.selectors.locks_centroid import LocksCentroidSelector
-
-        config = dataclasses.replace(config, **{f: v for f, v in LocksCentroidSelector.config_defaults.items()
-                                                if not getattr(config, f)})
-        self.config, self.scale, self.k = config, 1.0 / math.sqrt(head_dim), config.pages_per_step
-        self.k_cand = min(max_pages, config.rerank_candidates(max_pages) + config.sink_pages + config.recent_pages)
-        self.score_ws = centroid_workspace(batch, num_kv_heads, group, max_pages, device)
-        self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
-        self.rerank_ws = rerank_workspace(batch, num_kv_heads, group, self.k_cand, self.k, device)
-        self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, batch * num_kv_heads,
-                                             dtype, device)
-        self.pages = None
-
-    def select(self, queries, k_cache, summaries, block_table, seq_lens):
-        """int32 ``[B, Hkv, k]`` ascending page ids, -1 padded."""
-        from kvlocks.selection.fused import rank_and_select
-        from kvlocks.selection.triton_rerank import rerank_pages
-
-        c = self.config
-        score_pages_centroid(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
-                             workspace=self.score_ws, rank=False)
-        cand = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k_cand, combine=c.combine,
-                               sink_pages=c.sink_pages, recent_pages=c.recent_pages, workspace=self.select_ws)
-        return rerank_pages(queries, k_cache, block_table, seq_lens, self.score_ws.scores, self.score_ws.lse, cand,
-                            c, scale=self.scale, workspace=self.rerank_ws)
-
-    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens):
-        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``."""
-        from kvlocks.attention.triton import paged_decode
-
-        self.pages = self.select(queries, k_cache, summaries, block_table, seq_lens)
-        return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
-                            workspace=self.attend_ws)
