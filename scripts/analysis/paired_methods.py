@@ -7,7 +7,8 @@ each method against a reference method at the same budget, per task x length and
 For every (task, length, budget) cell and for every budget pooled over the cells: the records both
 methods have, each method's mean score, the paired difference (method - reference) with its
 percentile bootstrap 95 % CI (kvlocks_lab.eval.metrics.paired_bootstrap_ci), the mean KL(full ||
-method) of both, and ``full``'s accuracy on those records. Prints a Markdown table; writes JSON.
+method) of both, and ``full``'s accuracy on those records. ``--against full`` pairs every budget
+of the methods with ``full`` (which has none). Prints a Markdown table; writes JSON.
 """
 
 from __future__ import annotations
@@ -45,9 +46,15 @@ def compare(pairs: list[tuple[dict, dict, dict | None]]) -> dict:
 
 def analyse(cells: dict, methods: list[str], against: str) -> list[dict]:
     out, pooled = [], defaultdict(list)
-    keys = sorted({(t, n, b) for (t, n, m, b) in cells if m == against})
+    # a reference without a budget (``full``) is paired with the methods at each of their budgets
+    unbudgeted = any(m == against and b is None for (_, _, m, b) in cells)
+    if unbudgeted:
+        keys = sorted({(t, n, b) for (t, n, m, b) in cells if m in methods and b is not None})
+    else:
+        keys = sorted({(t, n, b) for (t, n, m, b) in cells if m == against})
     for task, length, budget in keys:
-        ref, full = cells[(task, length, against, budget)], cells.get((task, length, "full", None), {})
+        ref = cells.get((task, length, against, None if unbudgeted else budget), {})
+        full = cells.get((task, length, "full", None), {})
         for method in methods:
             mine = cells.get((task, length, method, budget), {})
             pairs = [(mine[i], ref[i], full.get(i)) for i in sorted(set(mine) & set(ref))]

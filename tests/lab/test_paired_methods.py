@@ -34,3 +34,22 @@ def test_pairs_by_record_and_pools_over_cells(tmp_path):
     assert pooled["n"] == 5 and abs(pooled["diff"] - (-0.25 * 4 + 0.0) / 5) < 1e-12
     assert pooled["low"] <= pooled["diff"] <= pooled["high"]
     assert "| a | 2048 | 64 | locks | 4 | 100 | 25.0 | 50.0 | -25.0" in proc.stdout
+
+
+def test_full_as_reference_pairs_every_budget(tmp_path):
+    rows = []
+    for i in range(4):
+        rows += [_row("a", i, "full", None, float(i < 3), 0.0), _row("a", i, "locks", 64, float(i < 1), 0.4),
+                 _row("a", i, "locks", 256, float(i < 3), 0.1)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "paired.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "--against", "full", "--methods", "locks",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = {(r["task"], r["budget"]): r for r in json.loads(out.read_text())}
+    assert set(got) == {("a", 64), ("a", 256), ("all", 64), ("all", 256)}
+    low, high = got[("a", 64)], got[("a", 256)]
+    assert (low["n"], low["method"], low["reference"], low["diff"]) == (4, 0.25, 0.75, -0.5)
+    assert (high["n"], high["diff"], high["low"], high["high"]) == (4, 0.0, 0.0, 0.0)
+    assert abs(low["kl_reference"]) < 1e-12 and abs(low["kl_method"] - 0.4) < 1e-12
