@@ -13,9 +13,12 @@ elements followed by ``block_size * D`` value elements, and the order inside eac
 the kernel ISA. :func:`probe_cache_layout` writes known keys/values with vLLM's own cache-write op
 and recognises one of :data:`LAYOUTS`; measured on vLLM 0.32.0 (isa ``vec`` and ``vec16``,
 float32 and bfloat16): ``"kT_v"``, keys dimension-major ``[D, block_size]`` (the key of the token
-in row ``r`` is column ``r``), values token-major ``[block_size, D]``. The ``amx`` (bfloat16 on
-AMX CPUs) and ``neon`` ISAs were not available to test; if they use another order the probe
-fails loudly. The token at slot ``s`` is in block ``s // block_size``, row ``s % block_size``.
+in row ``r`` is column ``r``), values token-major ``[block_size, D]``; isa ``amx`` (bfloat16 on
+CPUs with AMX tiles): ``"amx"``, both halves packed in pairs for the tile instructions, keys as
+``[block_size/16, D/2, 16, 2]`` (row ``r``, dim ``j`` at ``[r // 16, j // 2, r % 16, j % 2]``) and
+values as ``[D/16, block_size/2, 16, 2]`` (at ``[j // 16, r // 2, j % 16, r % 2]``). The ``neon``
+ISA was not available to test; if it uses another order the probe fails loudly. The token at slot
+``s`` is in block ``s // block_size``, row ``s % block_size``.
 """
 
 from __future__ import annotations
@@ -86,14 +89,48 @@ def is_cpu_platform() -> bool:
 # ---------------------------------------------------------------- paged cache layout
 
 
-LAYOUTS = ("kT_v", "k_v")  # keys dim-major or token-major inside a block; values token-major
+LAYOUTS = ("kT_v", "k_v", "amx")  # keys dim-major, token-major or AMX-packed inside a block (module doc)
 
 
-def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
-                   layout: str = "kT_v") -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_cache [NB, Hkv, BS, 2D]`` -> token-major views ``(keys, values)``, each ``[NB, Hkv, BS, D]``.
+class PackedTokens:
+    """Token-major reads of one AMX-packed half of the cache, indexed like ``[NB, Hkv, BS, D]``.
 
-    No copy: for ``"kT_v"`` the key view is a transpose of the stored ``[D, BS]`` block.
+    ``x[block, head, row]`` with integer tensors (or ints) gives ``[*broadcast, D]``; with ``head``
+    the full slice ``:`` it gives ``[*broadcast(block, row), Hkv, D]``, as indexing a tensor of that
+    shape would. The result is a copy (the packed order has no token-major view).
+    """
+
+    def __init__(self, half: torch.Tensor, block_size: int, head_dim: int, which: str) -> None:
+        nb, h = half.shape[:2]
+        if block_size % 16 or head_dim % 16:
+            raise VllmCompatError(f"AMX-packed CPU KV cache with block_size={block_size}, head_dim={head_dim}: "
+                                  "both must be multiples of 16")
+        self.shape = (nb, h, block_size, head_dim)
+        self.dtype, self.which = half.dtype, which
+        if which == "keys":  # [NB, Hkv, BS/16, D/2, 16, 2]
+            self.packed = half.view(nb, h, block_size // 16, head_dim // 2, 16, 2)
+        else:  # values: [NB, Hkv, D/16, BS/2, 16, 2]
+            self.packed = half.view(nb, h, head_dim // 16, block_size // 2, 16, 2)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        block, head, row = index
+        block, row = torch.as_tensor(block), torch.as_tensor(row)
+        if isinstance(head, slice):
+            if head != slice(None):
+                raise IndexError("PackedTokens: the head index must be a tensor, an int or ':'")
+            block, row, head = block.unsqueeze(-1), row.unsqueeze(-1), torch.arange(self.shape[1])
+        else:
+            head = torch.as_tensor(head)
+        if self.which == "keys":
+            return self.packed[block, head, row // 16, :, row % 16, :].flatten(-2)  # [..., D/2, 2] -> [..., D]
+        return self.packed[block, head, :, row // 2, :, row % 2].flatten(-2)  # [..., D/16, 16] -> [..., D]
+
+
+def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int, layout: str = "kT_v"):
+    """``kv_cache [NB, Hkv, BS, 2D]`` -> token-major ``(keys, values)``, each indexed as ``[NB, Hkv, BS, D]``.
+
+    No copy for ``"kT_v"`` (the key view is a transpose of the stored ``[D, BS]`` block) and
+    ``"k_v"``; for ``"amx"`` two :class:`PackedTokens` that gather what is indexed.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads or kv_cache.shape[3] != 2 * head_dim:
         raise VllmCompatError(
@@ -104,6 +141,9 @@ def split_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
         raise VllmCompatError(f"unknown CPU KV cache layout {layout!r}; known {LAYOUTS}")
     nb, h, bs, _ = kv_cache.shape
     halves = kv_cache.view(nb, h, 2, bs * head_dim)  # [NB, Hkv, K|V, BS*D]
+    if layout == "amx":
+        return (PackedTokens(halves[:, :, 0], bs, head_dim, "keys"),
+                PackedTokens(halves[:, :, 1], bs, head_dim, "values"))
     values = halves[:, :, 1].view(nb, h, bs, head_dim)  # [NB, Hkv, BS, D]
     if layout == "kT_v":
         keys = halves[:, :, 0].view(nb, h, head_dim, bs).transpose(-1, -2)  # [NB, Hkv, BS, D] view
@@ -129,6 +169,8 @@ def probe_cache_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, block_si
     ops.cpu_attn_reshape_and_cache(key, value, k_arg, v_arg, slots, isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     for layout in LAYOUTS:
+        if layout == "amx" and (bs % 16 or d % 16):
+            continue
         keys, values = split_kv_cache(kv, h, d, layout)
         if torch.equal(keys[slots // bs, :, slots % bs], key) and torch.equal(values[slots // bs, :, slots % bs], value):
             log.info("kvlocks: CPU KV cache layout %r (isa=%s, dtype=%s, block_size=%d)", layout, isa, dtype, bs)
