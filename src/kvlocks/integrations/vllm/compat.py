@@ -172,7 +172,8 @@ def probe_cache_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, block_si
         if layout == "amx" and (bs % 16 or d % 16):
             continue
         keys, values = split_kv_cache(kv, h, d, layout)
-        if torch.equal(keys[slots // bs, :, slots % bs], key) and torch.equal(values[slots // bs, :, slots % bs], value):
+        block, row = slots // bs, slots % bs
+        if torch.equal(keys[block, :, row], key) and torch.equal(values[block, :, row], value):
             log.info("kvlocks: CPU KV cache layout %r (isa=%s, dtype=%s, block_size=%d)", layout, isa, dtype, bs)
             return layout
     raise VllmCompatError(
