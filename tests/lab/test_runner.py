@@ -42,6 +42,21 @@ def test_grid_rows_resume_and_exactness_at_large_budget(model_tok, tmp_path):
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
 
 
+def test_first_sample_splits_a_cell_into_runs_that_merge(model_tok, tmp_path):
+    model, tok = model_tok
+    grid = dict(tasks=("passkey",), lengths=(320,), budgets=(32,), methods=("full", "locks"))
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run_eval(EvalConfig(samples=2, **grid), whole, model=model, tok=tok, progress=False)
+    run_eval(EvalConfig(samples=2, first_sample=1, **grid), part, model=model, tok=tok, progress=False)
+    read = lambda d: {(r["index"], r["method"]): r for r in map(json.loads, (d / "rows.jsonl").read_text().splitlines())}
+    a, b = read(whole), read(part)
+    assert sorted(b) == [(1, "full"), (1, "locks")]  # only the record at index 1, under its own index
+    for key, row in b.items():
+        assert row["tokens"] == a[key]["tokens"] and row["prompt_tokens"] == a[key]["prompt_tokens"]
+    with pytest.raises(ValueError, match="first_sample=2: must be >= 0 and <= 1"):
+        EvalConfig(samples=2, first_sample=2, **grid)
+
+
 def test_teacher_forcing_fork_follows_reference(monkeypatch):
     import torch
 

@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                                             compactions=", ".join(COMPACTIONS)))
     p.add_argument("--samples", type=int, default=None,
                    help=f"records per task and length (default: {d['samples'].default})")
+    p.add_argument("--first-sample", type=int, default=None,
+                   help="skip the records below this index (they keep their indexes: split one cell's records "
+                        "across processes, e.g. --samples 10 and --first-sample 10 --samples 20; default: 0)")
     p.add_argument("--seed", type=int, default=None, help="seed of the task records (default: 0)")
     p.add_argument("--ppl-tokens", type=int, default=None,
                    help="ppl_continuation: continuation tokens N scored after a context of L - N tokens "
@@ -66,7 +69,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-TASK_OPTIONS = ("tasks", "lengths", "samples", "seed", "ppl_tokens")
+TASK_OPTIONS = ("tasks", "lengths", "samples", "first_sample", "seed", "ppl_tokens")
 
 
 def run(args) -> int:

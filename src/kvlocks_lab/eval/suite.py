@@ -29,11 +29,14 @@ class EvalConfig(GridSettings):
     """The grid of one evaluation run (its JSON goes into summary.json); shared fields in
     :class:`~kvlocks_lab.eval.grid.GridSettings`. ``ppl_tokens``: continuation tokens N scored per
     ``ppl_continuation`` record (context P = length - N); at most half the shortest length.
+    ``first_sample``: records with a lower index are skipped (the records keep their indexes, so
+    processes given ``[0, a)``, ``[a, b)``, ... of one cell write rows that merge into one run).
     """
 
     tasks: tuple[str, ...] = DEFAULT_TASKS
     lengths: tuple[int, ...] = (2048, 4096, 8192)
     samples: int = 10
+    first_sample: int = 0
     seed: int = 0
     ppl_tokens: int = 128
 
@@ -50,6 +53,7 @@ class EvalConfig(GridSettings):
                 raise ValueError(f"EvalConfig.lengths: {n} is too short; lengths must be >= 256 tokens")
         if self.samples < 1:
             raise ValueError(f"EvalConfig.samples={self.samples}: must be >= 1")
+        check_int("EvalConfig", "first_sample", self.first_sample, 0, self.samples - 1)
         self._check_budgets_and_compaction()
         check_int("EvalConfig", "seed", self.seed, 0)
         check_int("EvalConfig", "ppl_tokens", self.ppl_tokens, 1, min(self.lengths) // 2)
@@ -105,8 +109,8 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
         eos.add(tok.convert_tokens_to_ids("<|im_end|>"))
     jobs = [(t, n) for n in cfg.lengths for t in cfg.tasks]
     in_grid = lambda r: r["task"] in cfg.tasks and r["length"] in cfg.lengths and r["method"] in cfg.methods \
-        and (r["budget"] is None or r["budget"] in cfg.budgets) and r["index"] < cfg.samples
-    bar = tqdm(total=len(jobs) * cfg.samples * cfg.runs_per_record(), disable=not progress, unit="run", desc="eval")
+        and (r["budget"] is None or r["budget"] in cfg.budgets) and cfg.first_sample <= r["index"] < cfg.samples
+    bar = tqdm(total=len(jobs) * (cfg.samples - cfg.first_sample) * cfg.runs_per_record(), disable=not progress, unit="run", desc="eval")
     bar.update(sum(1 for r in done.values() if in_grid(r)))
     base = cfg.locks_config(cfg.budgets[0])
     kw = {"compaction": cfg.compaction_settings(), "cache_dir": out / "compacted"}
@@ -122,7 +126,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
         for task, length in jobs:
             bar.set_postfix_str(f"{task}@{length}")
             kw["progress"] = lambda msg, _tl=f"{task}@{length}": bar.set_postfix_str(f"{_tl}: {msg}")
-            for record in _records(cfg, tok, task, length):
+            for record in _records(cfg, tok, task, length)[cfg.first_sample:]:
                 with torch.inference_mode():
                     if task == PPL_TASK:
                         run_continuation(model, tok, record, cfg.methods, cfg.budgets, base, done, write, **kw)
