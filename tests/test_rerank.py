@@ -186,7 +186,8 @@ def test_locks_rerank_method_sets_the_default_candidate_multiple_and_forks_with_
     (4, "sum_mass", torch.bfloat16, 64, 4), (16, "mean_share", torch.bfloat16, 96, 8),
     (3, "mean_share", torch.float32, 512, 4),  # more pages to choose than candidates: -1 padding
 ])
-def test_rerank_kernels_choose_the_pytorch_reranks_pages(g, rule, dtype, budget, mult):
+@pytest.mark.parametrize("pick", ["radix", "sort"])
+def test_rerank_kernels_choose_the_pytorch_reranks_pages(g, rule, dtype, budget, mult, pick):
     """The two re-rank launches (kvlocks.selection.triton_rerank), given the candidates the selection
     picks at k' = M + sink + recent, against the full-width PyTorch re-rank (paged_rerank, then
     paged_select), on the real pipeline's inputs: summaries built from the keys, Eq. 4 scores and
@@ -208,6 +209,6 @@ def test_rerank_kernels_choose_the_pytorch_reranks_pages(g, rule, dtype, budget,
     ranking = paged_rerank(q, k, table, seq, scores, cfg, scale=d ** -0.5)
     want = paged_select(ranking, seq, page_size=S, k=cfg.pages_per_step, sink_pages=cfg.sink_pages,
                         recent_pages=cfg.recent_pages, backend="torch")
-    got = rerank_pages(q, k, table, seq, scores, lse, cand, cfg, scale=d ** -0.5)
+    got = rerank_pages(q, k, table, seq, scores, lse, cand, cfg, scale=d ** -0.5, pick=pick)
     assert got.tolist() == want.tolist()
     assert (got[2] >= 0).sum(-1).tolist() == [3, 3]  # the 3-page row: every page, then -1

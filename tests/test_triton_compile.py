@@ -194,10 +194,11 @@ def rerank_kernels() -> None:
                                                         PRECISION="tf32", PDL=True), 4, launch_pdl=True)
         assert ".target sm_90" in k.asm["ptx"] and ("mma" in k.asm["ptx"])
         _check_pdl(k.asm["ptx"], True)
-        k = _compile(rr._pick_kernel, PICK_ARGS, dict(S=16, K=128, SINK=1, RECENT=1, GP=g, KP=512, RULE=rule,
-                                                      PDL=True), 8, launch_pdl=True)
-        assert ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 1000
-        _check_pdl(k.asm["ptx"], True)
+        for radix in (True, False):
+            k = _compile(rr._pick_kernel, PICK_ARGS, dict(S=16, K=128, SINK=1, RECENT=1, GP=g, KP=512, RULE=rule,
+                                                          RADIX=radix, PDL=True), 8, launch_pdl=True)
+            assert ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 1000
+            _check_pdl(k.asm["ptx"], True)
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,12 @@ launches, after the fused selection has picked ``k' = M + sink + recent`` candid
    the page's summary estimate. Both go to the workspace ``[B * Hkv, G, k']``.
 2. ``_pick_kernel``, grid ``(B * Hkv,)``: the GQA combine with the per-head normalisers rebuilt
    from the score pass's log-sum-exp (the candidates' estimates taken out, their exact masses put
-   in), the forced pages first, then the top ``k`` by that combined mass and an ascending sort: one
-   ``tl.sort`` of 64-bit keys (order-preserving bits of the priority, then the candidate's
-   position so that ties go to the lower page), a second of the chosen page ids.
+   in), the forced pages first, then the top ``k`` by that combined mass, ties to the lower page,
+   in ascending page order. Default (``pick="radix"``): the radix threshold of the selection
+   kernels (:func:`kvlocks.selection.triton_radix.radix_threshold`) over the candidates, which are
+   already in page order, then a prefix-sum compaction: no sort. ``pick="sort"``: one ``tl.sort``
+   of 64-bit keys (order-preserving bits of the priority, then the candidate's position), a
+   second of the chosen page ids; kept to time the two side by side (``kvlocks bench kernels``).
 
 Same pages as the full-width PyTorch re-rank (:func:`kvlocks.selection.rerank_paged.paged_rerank`,
 then :func:`kvlocks.plan.paged_select`), up to float rounding of the exact masses and the order of
@@ -29,12 +32,13 @@ import triton.language as tl
 from kvlocks.cache.layout import dot_dtype
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.pdl import enabled as pdl_enabled
-from kvlocks.selection.triton_radix import _orderkey
+from kvlocks.selection.triton_radix import _orderkey, _rebase_params, _rebased, radix_threshold
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
 RULES = {"mean_share": 0, "max_share": 1, "sum_mass": 2}
 PAGES_PER_PROGRAM = 8  # PB: candidates per exact-LSE program (8 x 16 keys per tl.dot)
+PICKS = ("radix", "sort")
 
 
 @triton.jit
@@ -83,7 +87,7 @@ def _exact_kernel(q_ptr, stride_qb, stride_qh, k_ptr, stride_kp, stride_ks, stri
 @triton.jit
 def _pick_kernel(seqlen_ptr, cand_ptr, exact_ptr, est_ptr, lse_ptr, out_ptr, Hkv, G, KC, S: tl.constexpr,
                  K: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
-                 RULE: tl.constexpr, PDL: tl.constexpr = False):
+                 RULE: tl.constexpr, RADIX: tl.constexpr = True, PDL: tl.constexpr = False):
     if PDL:  # launched early: wait for the exact masses, then let the attention launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -123,17 +127,38 @@ def _pick_kernel(seqlen_ptr, cand_ptr, exact_ptr, est_ptr, lse_ptr, out_ptr, Hkv
         else:
             combined = tl.max(share, axis=0)
     prio = tl.where(forced, float("inf"), tl.where(used, combined, float("-inf")))
+    if RADIX:  # the K largest priorities of the valid slots, ties to the lower slot, kept in slot (= page) order
+        key = _orderkey(prio)
+        lo, shift = _rebase_params(key, valid)
+        rk = _rebased(key, valid, lo, shift)
+        need = tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0))
+        prefix, kmask, remaining = radix_threshold(rk, valid, need)
+        km = rk & kmask
+        is_t = valid & (km == prefix)
+        tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
+        sel = valid & ((km > prefix) | (is_t & (tie_rank < remaining)))
+        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        dst = out_ptr + row.to(tl.int64) * K
+        tl.store(dst + pos, page, mask=sel)
+        tl.store(dst + j, -1, mask=(j >= tl.sum(sel.to(tl.int32), axis=0)) & (j < K))
+    else:
+        _pick_by_sort(prio, j, cand_ptr + row.to(tl.int64) * KC, out_ptr + row.to(tl.int64) * K, KC, K)
+
+
+@triton.jit
+def _pick_by_sort(prio, j, cand_row, out_row, KC, K: tl.constexpr):
+    """The top ``K`` slots by priority (ties to the lower slot) in ascending page order, by two sorts."""
     # 64-bit keys: the priority's order-preserving bits (shifted to signed), then 2^32 - 1 - j so that
     # equal priorities rank the earlier candidate (the lower page: candidates are ascending) first
     low = 4294967295 - j.to(tl.int64)
     key = ((_orderkey(prio).to(tl.int64) - 2147483648) << 32) | low
     ranked = tl.sort(key, descending=True)
     slot = (4294967295 - (ranked & 4294967295)).to(tl.int32)  # candidate position of each rank
-    chosen_page = tl.load(cand_ptr + row.to(tl.int64) * KC + slot, mask=slot < KC, other=-1)
+    chosen_page = tl.load(cand_row + slot, mask=slot < KC, other=-1)
     big = 2147483647
     ids = tl.where((j < K) & (chosen_page >= 0), chosen_page, big)
     ids = tl.sort(ids)
-    tl.store(out_ptr + row.to(tl.int64) * K + j, tl.where(ids < big, ids, -1), mask=j < K)
+    tl.store(out_row + j, tl.where(ids < big, ids, -1), mask=j < K)
 
 
 @dataclass
@@ -155,38 +180,65 @@ def rerank_workspace(batch: int, num_kv_heads: int, group: int, k_cand: int, k: 
 
 def rerank_pages(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  scores: torch.Tensor, lse: torch.Tensor, cand: torch.Tensor, config: LocksConfig, *, scale: float,
-                 workspace: RerankWorkspace | None = None, options: KernelOptions | None = None) -> torch.Tensor:
-    """The final pages from the fused selection's ``k'`` candidates, in two launches.
+                 workspace: RerankWorkspace | None = None, options: KernelOptions | None = None,
+                 pick: str = "radix") -> torch.Tensor:
+    """The final pages from the fused selection's ``k'`` candidates, in two launches
+    (:func:`exact_masses`, then :func:`pick_pages`).
 
     queries ``[B, Hq, D]``; k_cache ``[NB, S, Hkv, D]``; block_table int32 ``[B, W]``; seq_lens int32
     ``[B]``; scores float32 ``[B, Hkv, G, W]`` and lse ``[B, Hkv, G]`` (the score pass and the fused
     selection's outputs); cand int32 ``[B, Hkv, k']`` ascending, -1 padded -> int32 ``[B, Hkv, k]``
-    ascending, -1 padded (the workspace's buffer).
+    ascending, -1 padded (the workspace's buffer). ``pick``: one of :data:`PICKS`.
     """
-    bsz, hq, d = queries.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
-    g, k, kc = hq // hkv, config.pages_per_step, cand.shape[-1]
+    bsz, hq, _ = queries.shape
+    hkv = k_cache.shape[2]
     if config.combine not in RULES:
         raise ValueError(f"combine={config.combine!r}: allowed {tuple(RULES)}")
+    if pick not in PICKS:
+        raise ValueError(f"pick={pick!r}: allowed {PICKS}")
     if cand.dtype != torch.int32 or not cand.is_contiguous() or cand.shape[:2] != (bsz, hkv):
         raise ValueError(f"cand must be contiguous int32 [{bsz}, {hkv}, k'], got {cand.dtype} {tuple(cand.shape)}")
     if k_cache.stride(-1) != 1 or queries.stride(-1) != 1:
         raise ValueError("k_cache and queries need a contiguous last dim")
+    g, k, kc = hq // hkv, config.pages_per_step, cand.shape[-1]
     ws = workspace or rerank_workspace(bsz, hkv, g, kc, k, queries.device)
     if ws.exact.shape != (bsz * hkv, g, kc) or ws.out.shape != (bsz, hkv, k):
         raise ValueError(f"workspace is for {tuple(ws.exact.shape)} / {tuple(ws.out.shape)}, not "
                          f"{(bsz * hkv, g, kc)} / {(bsz, hkv, k)}")
-    pdl = pdl_enabled(queries.device, (options or default_kernel_options()).pdl)
-    extra = {"launch_pdl": True} if pdl else {}
-    gp = max(16, triton.next_power_of_2(g))
-    pb = PAGES_PER_PROGRAM
-    _exact_kernel[(triton.cdiv(kc, pb), bsz * hkv)](
+    exact_masses(queries, k_cache, block_table, seq_lens, scores, cand, ws, scale=scale, options=options)
+    return pick_pages(seq_lens, lse, cand, config, ws, group=g, options=options, pick=pick)
+
+
+def _pdl(device, options) -> dict:
+    return {"launch_pdl": True} if pdl_enabled(device, (options or default_kernel_options()).pdl) else {}
+
+
+def exact_masses(queries, k_cache, block_table, seq_lens, scores, cand, ws: RerankWorkspace, *, scale: float,
+                 options: KernelOptions | None = None) -> None:
+    """Launch 1 (arguments checked by :func:`rerank_pages`): each candidate's exact per-head
+    log-sum-exp into ``ws.exact``, its score-pass estimate into ``ws.est``."""
+    bsz, hq, d = queries.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    g, kc = hq // hkv, cand.shape[-1]
+    extra = _pdl(queries.device, options)
+    _exact_kernel[(triton.cdiv(kc, PAGES_PER_PROGRAM), bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), k_cache, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_table, block_table.stride(0), seq_lens, cand, scores, ws.exact, ws.est, hkv, g,
-        scores.shape[-1], kc, scale * LOG2E, GP=gp, D=d, S=s, PB=pb, DOT_DT=dot_dtype(k_cache.dtype),
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=4, **extra)
+        scores.shape[-1], kc, scale * LOG2E, GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PB=PAGES_PER_PROGRAM,
+        DOT_DT=dot_dtype(k_cache.dtype), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        PDL=bool(extra), num_warps=4, **extra)
+
+
+def pick_pages(seq_lens, lse, cand, config: LocksConfig, ws: RerankWorkspace, *, group: int,
+               options: KernelOptions | None = None, pick: str = "radix") -> torch.Tensor:
+    """Launch 2 (arguments checked by :func:`rerank_pages`): the combine over ``ws.exact`` and the
+    top ``k`` into ``ws.out``."""
+    bsz, hkv, kc = cand.shape
+    k = config.pages_per_step
+    extra = _pdl(cand.device, options)
     _pick_kernel[(bsz * hkv,)](
-        seq_lens, cand, ws.exact, ws.est, lse, ws.out, hkv, g, kc, S=s, K=k, SINK=config.sink_pages,
-        RECENT=config.recent_pages, GP=triton.next_power_of_2(g), KP=triton.next_power_of_2(max(kc, k, 2)),
-        RULE=RULES[config.combine], PDL=pdl, num_warps=8, **extra)
+        seq_lens, cand, ws.exact, ws.est, lse, ws.out, hkv, group, kc, S=config.page_size, K=k,
+        SINK=config.sink_pages, RECENT=config.recent_pages, GP=triton.next_power_of_2(group),
+        KP=triton.next_power_of_2(max(kc, k, 2)), RULE=RULES[config.combine], RADIX=pick == "radix",
+        PDL=bool(extra), num_warps=8, **extra)
     return ws.out

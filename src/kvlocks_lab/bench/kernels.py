@@ -38,7 +38,7 @@ from kvlocks import env
 from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.plan import DecodePlan
-from kvlocks_lab.bench.kernels_centroid import centroid_bytes, centroid_methods
+from kvlocks_lab.bench.kernels_centroid import centroid_bytes, centroid_methods, centroid_parts
 from kvlocks_lab.bench.kernels_timing import _timer, copy_bandwidth  # noqa: F401 (copy_bandwidth: probes)
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,7 @@ def _methods(case, device):
            for name, o in variants.items()},
         "x_splitk_default": lambda r: paged_decode(case.q[r], case.kc, case.vc, case.tables[r], case.seq, ident,
                                                    workspace=default_ws),
+        **centroid_parts(case, device),
     }
     return extras, {
         **centroid_methods(case, device),
@@ -392,9 +393,3 @@ def format_table(summary: dict) -> str:
     lines += [f"ERROR {e}" for e in summary["errors"]]
     return "\n".join(lines)
 
-
-if __name__ == "__main__":  # python -m kvlocks_lab.bench.kernels OUT_DIR (until the CLI verb is wired)
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    print(format_table(run_kernels_bench(sys.argv[1] if len(sys.argv) > 1 else "bench_kernels")))
