@@ -2,7 +2,8 @@
 centroid score kernel alone (:mod:`kvlocks.scoring.triton_centroid`) and the whole step of
 :class:`kvlocks.plan.DecodePlan` at each candidate multiple, with the bytes each must read; at the
 largest context also the step's launches one by one at the multiple ``PARTS_MULTIPLE``
-(``x_centroid_c8_select``: the fused selection of the candidates from the centroid scores;
+(``x_centroid_c8_select``: the fused selection of the candidates from the centroid scores, and
+``x_centroid_c8_select_chunkN`` the same with N pages per program instead of the default;
 ``x_centroid_c8_exact``: their exact masses; ``x_centroid_c8_pick`` / ``x_centroid_c8_pick_sort``:
 the combine and top-k by the radix threshold or by two sorts), each on the inputs the step before
 it produced."""
@@ -15,6 +16,7 @@ import torch
 
 CENTROID_MULTIPLES = (16, 8)  # the locks_centroid candidate multiples measured at every context
 PARTS_MULTIPLE = 8  # the multiple whose launches are timed one by one
+SELECT_CHUNKS = (8192,)  # fused-selection chunk sizes timed beside the default for the candidates
 
 
 def centroid_bytes(case, rows, select, attend) -> dict:
@@ -28,6 +30,7 @@ def centroid_bytes(case, rows, select, attend) -> dict:
         out[f"centroid_c{m}_total"] = cen + select + rows * cand * case.lcfg.page_size * case.d * 2 + attend
         if m == PARTS_MULTIPLE:
             per_head = rows * cand * case.g * 4  # float32 per head and candidate
+            out.update({f"x_centroid_c{m}_select_chunk{n}": select for n in SELECT_CHUNKS})
             out.update({f"x_centroid_c{m}_select": select, f"x_centroid_c{m}_pick": 3 * per_head,
                         f"x_centroid_c{m}_pick_sort": 3 * per_head,
                         f"x_centroid_c{m}_exact": rows * cand * case.lcfg.page_size * case.d * 2 + per_head})
@@ -55,7 +58,7 @@ def centroid_parts(case, device) -> dict:
     """The launches of the locks_centroid step at ``PARTS_MULTIPLE`` one by one (rotation ``r``'s
     inputs are the outputs of the launches before, computed once here)."""
     from kvlocks.plan import DecodePlan
-    from kvlocks.selection.fused import rank_and_select
+    from kvlocks.selection.fused import fused_workspace, rank_and_select
     from kvlocks.selection.triton_rerank import exact_masses, pick_pages
 
     c = dataclasses.replace(case.lcfg, rerank=PARTS_MULTIPLE, rerank_scores="centroid")
@@ -77,8 +80,12 @@ def centroid_parts(case, device) -> dict:
         sw, cand, ew = inputs[r]
         exact_masses(case.q[r], case.kc, case.tables[r], case.seq, sw.scores, cand, ew, scale=plan.scale)
 
+    chunked = {n: dict(sel, workspace=fused_workspace(case.bsz, case.hkv, case.p, plan.k_cand, device, chunk=n))
+               for n in SELECT_CHUNKS}
     return {
         f"x_centroid_c{m}_select": lambda r: rank_and_select(inputs[r][0], case.seq, **sel),
+        **{f"x_centroid_c{m}_select_chunk{n}": (lambda r, kw=kw: rank_and_select(inputs[r][0], case.seq, **kw))
+           for n, kw in chunked.items()},
         f"x_centroid_c{m}_exact": exact,
         **{f"x_centroid_c{m}_{name}": (lambda r, pick=pick: pick_pages(
             case.seq, inputs[r][0].lse, inputs[r][1], c, inputs[r][2], group=case.g, pick=pick))
