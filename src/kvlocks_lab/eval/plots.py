@@ -16,18 +16,28 @@ def _avg(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _panel(ax, cells, length, field, log):
+def method_colors(cells) -> dict:
+    """One colour per method of ``cells`` (sorted names, matplotlib's default cycle), so a method
+    has the same colour in every panel even where a panel lacks some methods."""
+    import matplotlib.pyplot as plt
+
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {m: cycle[i % len(cycle)] for i, m in enumerate(sorted({c["method"] for c in cells}))}
+
+
+def _panel(ax, cells, length, field, log, colors):
     """One length: selector lines over budgets, compaction markers at their kept entries."""
     here = [c for c in cells if c["length"] == length and c.get(field) is not None]
     selectors = sorted({c["method"] for c in here if c["budget"] is not None})
     for m in selectors:
         budgets = sorted({c["budget"] for c in here if c["method"] == m})
         ys = [_avg([c[field] for c in here if c["method"] == m and c["budget"] == b]) for b in budgets]
-        ax.plot(budgets, [max(y, 1e-6) for y in ys] if log else ys, marker="o", label=m)
+        ax.plot(budgets, [max(y, 1e-6) for y in ys] if log else ys, marker="o", label=m, color=colors[m])
     for m in sorted({c["method"] for c in here if c.get("kept") is not None and c["budget"] is None}):
         cs = [c for c in here if c["method"] == m]
         y = _avg([c[field] for c in cs])
-        ax.plot([_avg([c["kept"] for c in cs])], [max(y, 1e-6) if log else y], marker="s", ls="none", label=m)
+        ax.plot([_avg([c["kept"] for c in cs])], [max(y, 1e-6) if log else y], marker="s", ls="none", label=m,
+                color=colors[m])
     ax.set_xscale("log", base=2)
     if log:
         ax.set_yscale("log")
@@ -35,24 +45,38 @@ def _panel(ax, cells, length, field, log):
     ax.set_xlabel("budget / kept entries (per layer and KV head)")
 
 
-def _vs_budget(cells, out: Path, field: str, fname: str, ylabel: str, *, log: bool, ref=None) -> None:
+def vs_budget_figure(cells, field: str, ylabel: str, *, log: bool, ref=None):
+    """The figure of :func:`_vs_budget` (None without cells): one panel per length, every method in
+    its own colour in all panels, one legend naming every method drawn."""
     import matplotlib.pyplot as plt
 
     lengths = sorted({c["length"] for c in cells})
     if not lengths:
-        return
+        return None
+    colors = method_colors(cells)
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
+    legend = {}
     for ax, length in zip(axes[0], lengths):
-        _panel(ax, cells, length, field, log)
+        _panel(ax, cells, length, field, log, colors)
         if ref is not None:
             y = ref(length)
             if y is not None:
                 ax.axhline(y, color="k", ls="--", label="full")
         ax.set_ylabel(ylabel)
-    axes[0][0].legend(fontsize=7)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    axes[0][0].legend(list(legend.values()), list(legend), fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / fname, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _vs_budget(cells, out: Path, field: str, fname: str, ylabel: str, *, log: bool, ref=None) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = vs_budget_figure(cells, field, ylabel, log=log, ref=ref)
+    if fig is not None:
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
 
 
 def _depth_heatmap(rows, cells, out: Path) -> None:
