@@ -125,10 +125,10 @@ def radix_threshold(key, valid, need):
 
 
 @triton.jit
-def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M: tl.constexpr):
-    """Radix-select the ``need`` largest of ``key`` where ``valid`` (ties to the lower index) and write
-    them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``.
-    The passes run on :func:`_rebased` keys (the same order; the original keys are stored)."""
+def top_positions(key, valid, need):
+    """(sel, pos): the ``need`` largest valid keys (ties to the lower index) as a mask, and each
+    selected key's position among the selected in index order (a prefix sum: where to store it).
+    The passes run on :func:`_rebased` keys (the same order)."""
     lo, shift = _rebase_params(key, valid)
     rk = _rebased(key, valid, lo, shift)
     prefix, kmask, remaining = radix_threshold(rk, valid, need)
@@ -136,7 +136,15 @@ def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M:
     is_t = valid & (km == prefix)
     tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
     sel = valid & ((km > prefix) | (is_t & (tie_rank < remaining))) & (tie_rank * 0 < need)
-    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    return sel, tl.cumsum(sel.to(tl.int32), axis=0) - 1
+
+
+@triton.jit
+def chunk_winners(key, valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr, M: tl.constexpr):
+    """Radix-select the ``need`` largest of ``key`` where ``valid`` (ties to the lower index) and write
+    them, in page order, to chunk slot ``slot``: keys and page ids at ``slot * M``, the count at ``slot``.
+    The passes run on :func:`_rebased` keys (the same order; the original keys are stored)."""
+    sel, pos = top_positions(key, valid, need)
     tl.store(ckey_ptr + slot * M + pos, key.to(tl.int32, bitcast=True), mask=sel)
     tl.store(cidx_ptr + slot * M + pos, offs, mask=sel)
     tl.store(ccnt_ptr + slot, tl.sum(sel.to(tl.int32), axis=0))

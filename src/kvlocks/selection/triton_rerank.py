@@ -10,7 +10,7 @@ launches, after the fused selection has picked ``k' = M + sink + recent`` candid
    from the score pass's log-sum-exp (the candidates' estimates taken out, their exact masses put
    in), the forced pages first, then the top ``k`` by that combined mass, ties to the lower page,
    in ascending page order. Default (``pick="radix"``): the radix threshold of the selection
-   kernels (:func:`kvlocks.selection.triton_radix.radix_threshold`) over the candidates, which are
+   kernels (:func:`kvlocks.selection.triton_radix.top_positions`) over the candidates, which are
    already in page order, then a prefix-sum compaction: no sort. ``pick="sort"``: one ``tl.sort``
    of 64-bit keys (order-preserving bits of the priority, then the candidate's position), a
    second of the chosen page ids; kept to time the two side by side (``kvlocks bench kernels``).
@@ -32,7 +32,7 @@ import triton.language as tl
 from kvlocks.cache.layout import dot_dtype
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.pdl import enabled as pdl_enabled
-from kvlocks.selection.triton_radix import _orderkey, _rebase_params, _rebased, radix_threshold
+from kvlocks.selection.triton_radix import _orderkey, top_positions
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -128,16 +128,7 @@ def _pick_kernel(seqlen_ptr, cand_ptr, exact_ptr, est_ptr, lse_ptr, out_ptr, Hkv
             combined = tl.max(share, axis=0)
     prio = tl.where(forced, float("inf"), tl.where(used, combined, float("-inf")))
     if RADIX:  # the K largest priorities of the valid slots, ties to the lower slot, kept in slot (= page) order
-        key = _orderkey(prio)
-        lo, shift = _rebase_params(key, valid)
-        rk = _rebased(key, valid, lo, shift)
-        need = tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0))
-        prefix, kmask, remaining = radix_threshold(rk, valid, need)
-        km = rk & kmask
-        is_t = valid & (km == prefix)
-        tie_rank = tl.cumsum(is_t.to(tl.int32), axis=0) - 1
-        sel = valid & ((km > prefix) | (is_t & (tie_rank < remaining)))
-        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        sel, pos = top_positions(_orderkey(prio), valid, tl.minimum(K, tl.sum(valid.to(tl.int32), axis=0)))
         dst = out_ptr + row.to(tl.int64) * K
         tl.store(dst + pos, page, mask=sel)
         tl.store(dst + j, -1, mask=(j >= tl.sum(sel.to(tl.int32), axis=0)) & (j < K))
