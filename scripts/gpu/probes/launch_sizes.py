@@ -66,14 +66,15 @@ def main() -> None:
                     lambda ppp=ppp: load_only(case.store, tbl[0], hkv, p, 16, 4, ppp), n_graph=args.reps)})
             sel = dict(page_size=c.page_size, k=k, sink_pages=c.sink_pages, recent_pages=c.recent_pages)
             ref = None
-            for chunk in sorted({int(x) for x in args.select_chunks.split(",")} | {default_fused_chunk(p)}):
+            for chunk in sorted({int(x) for x in args.select_chunks.split(",")} | {default_fused_chunk(p, k)}):
                 if chunk > 2 * triton.next_power_of_2(p):
                     continue
                 fw = fused_workspace(1, hkv, p, k, dev, chunk=chunk)
                 out = rank_and_select(sw, seq, workspace=fw, **sel).clone()
                 ref = out if ref is None else ref
                 emit(args.out, {"kind": "select", **base, "chunk": chunk, "n_chunks": fw.n_chunks,
-                                "default": chunk == default_fused_chunk(p), "same_pages": bool(torch.equal(out, ref)),
+                                "default": chunk == default_fused_chunk(p, k),
+                                "same_pages": bool(torch.equal(out, ref)),
                                 "us": graph_time(lambda fw=fw: rank_and_select(sw, seq, workspace=fw, **sel),
                                                  n_graph=args.reps)})
             del case

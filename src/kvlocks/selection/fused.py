@@ -130,14 +130,27 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
                   SP, RP, CP, REGS)
 
 
-def default_fused_chunk(max_pages: int) -> int:
+LARGE_K = 512  # from this many pages to choose, rows of >= 2 * LARGE_K_CHUNK pages use LARGE_K_CHUNK
+LARGE_K_CHUNK = 8192
+
+
+def default_fused_chunk(max_pages: int, k: int = 0) -> int:
     """Pages per program. One program per row up to SINGLE_MAX pages, 512 up to 5120 (80K tokens),
     2048 below 32768, then 4096. On the H200, batch 1, the selection alone after the score kernel
     (docs/benchmarks.md, us glm4-9b-1m / llama3-8b): 16K (1024 pages)
     one program 8.11 / 7.96, 512 per program 8.97 / 8.31; 32K (2048) one program 10.96 / 10.04,
     1024 10.61 / 9.79, 512 9.43 / 8.78; 64K (4096) 2048 12.63 / 11.77, 1024 11.47 / 10.27, 512
     10.31 / 10.30. From 128K, end to end (GLM-4-9B shape, against the unfused path): 2048 at 64K
-    -2.7%, 128K -1.8% (1024 there +2.3/+3.2%), 256K -0.3%; 4096 at 1M -2.2/-3.4%."""
+    -2.7%, 128K -1.8% (1024 there +2.3/+3.2%), 256K -0.3%; 4096 at 1M -2.2/-3.4%.
+
+    Choosing ``k >= LARGE_K`` pages (the centroid mode's re-rank candidates) from rows of at least
+    two LARGE_K_CHUNK chunks: LARGE_K_CHUNK. Each chunk keeps up to k winners, so at large k more
+    chunks mostly grow the merge. On the H100, k = 1010, batch 1 (us llama3-8b / glm4-9b-1m,
+    docs/results/2026-12-06-h100-kernels-centroid-chunk/): 1M 8192 a chunk 47.7 / 47.2 against
+    63.4 / 60.3 at 4096 (2048: 108.3 / 97.7, 16384: 54.8 / 60.7); 128K, where 8192 is one chunk,
+    2048 stays best (19.8 / 20.9; 8192: 22.1 / 26.3)."""
+    if k >= LARGE_K and max_pages >= 2 * LARGE_K_CHUNK:
+        return LARGE_K_CHUNK
     if max_pages <= SINGLE_MAX:
         return max(16, triton.next_power_of_2(max_pages))
     if max_pages <= 5120:
@@ -149,7 +162,7 @@ def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, devic
                     chunk: int | None = None) -> SelectWorkspace:
     """Buffers for :func:`rank_and_select` (a :func:`select_workspace` with the fused chunk size)."""
     return select_workspace(batch, num_kv_heads, max_pages, k, device,
-                            chunk=default_fused_chunk(max_pages) if chunk is None else chunk)
+                            chunk=default_fused_chunk(max_pages, k) if chunk is None else chunk)
 
 
 def rank_and_select(score_ws: ScoreWorkspace, seq_lens: torch.Tensor, *, page_size: int, k: int,

@@ -14,9 +14,9 @@ import dataclasses
 
 import torch
 
-CENTROID_MULTIPLES = (16, 8)  # the locks_centroid candidate multiples measured at every context
+CENTROID_MULTIPLES = (16, 8, 6, 4)  # the locks_centroid candidate multiples measured at every context
 PARTS_MULTIPLE = 8  # the multiple whose launches are timed one by one
-SELECT_CHUNKS = (8192,)  # fused-selection chunk sizes timed beside the default for the candidates
+SELECT_CHUNKS = (2048, 4096, 8192, 16384)  # fused-selection chunk sizes timed beside the default
 
 
 def centroid_bytes(case, rows, select, attend) -> dict:
