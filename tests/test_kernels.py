@@ -359,63 +359,6 @@ def test_rank_and_select_breaks_ties_by_page_index(chunk):
     assert len(torch.unique(sw.ranking[0, 0])) <= 81  # ties are real: at most 3^4 distinct rankings
 
 
-GRID_CASES = FUSED_CASES + [  # many pages to choose (the re-rank's candidates) over several programs
-    ("e", 4, "mean_share", 16, 200, 1, 1, False), ("e", 3, "max_share", 32, 150, 2, 1, True),
-    ("e", 2, "mean_share", 64, 2, 1, 1, False),  # k = sink + recent: nothing to choose
-]
-
-
-@pytest.mark.parametrize("lens,g,rule,chunk,k,sink,recent,with_ss", GRID_CASES)
-def test_grid_select_matches_reference(lens, g, rule, chunk, k, sink, recent, with_ss):
-    """The grid-wide radix select (every program in every digit): ranking and LSE as the reference
-    combine, pages exactly the reference selection; histograms and counters are left at zero, so a
-    second call agrees."""
-    from kvlocks.selection.triton_gridselect import grid_rank_and_select, grid_select_workspace
-
-    q, k_, v, table, seq = make_paged(LENS[lens], 2, g, 64, F32, seed=7)
-    store = built_store(k_, table, seq, LocksConfig(budget=64))
-    bsz, max_pages = len(seq), table.shape[1]
-    ss = torch.tensor([1, 0, 2][:bsz], dtype=torch.int32, device=DEV) if with_ss else None
-    sw = score_tri.score_workspace(bsz, 2, g, max_pages, DEV)
-    score_tri.score_pages_paged(q, store, table, seq, combine=rule, workspace=sw, rank=False)
-    gw = grid_select_workspace(bsz, 2, max_pages, k, DEV, **({"chunk": chunk} if chunk else {}))
-    sel = dict(page_size=S, k=k, sink_pages=sink, recent_pages=recent, sink_start=ss)
-    got = grid_rank_and_select(sw, seq, combine=rule, workspace=gw, **sel).clone()
-    _, lse, ranking = paged_score(q, store, table, seq, combine=rule, backend="torch")
-    for b, n in enumerate(LENS[lens]):
-        pc = n // S
-        assert torch.allclose(sw.ranking[b, :, :pc].cpu(), ranking[b, :, :pc].cpu(), rtol=1e-5, atol=1e-30)
-        assert torch.allclose(sw.lse[b].cpu(), lse[b].cpu(), atol=1e-4) or pc == 0
-    assert torch.equal(got.cpu(), paged_select(ranking, seq, backend="torch", **sel).cpu())
-    assert int(gw.done.abs().sum()) == 0 and int(gw.hist.abs().sum()) == 0
-    assert torch.equal(grid_rank_and_select(sw, seq, combine=rule, workspace=gw, **sel).cpu(), got.cpu())
-
-
-@pytest.mark.parametrize("chunk,k", [(16, 10), (64, 90), (256, 10)])
-def test_grid_select_breaks_ties_by_page_index(chunk, k):
-    """Hand-made scores with many exact ties: the grid select picks exactly what the reference
-    selection picks from the same ranking (ties to the lower page across programs)."""
-    from kvlocks.selection.triton_gridselect import grid_rank_and_select, grid_select_workspace
-
-    gen = torch.Generator().manual_seed(11)
-    bsz, hkv, g, pages = 2, 3, 4, 200
-    seq = torch.tensor([pages * S, 150 * S + 7], dtype=torch.int32)
-    sw = score_tri.score_workspace(bsz, hkv, g, pages, "cpu", pages_per_program=pages)
-    scores = (torch.rand(bsz, hkv, g, pages, generator=gen) * 3).floor() - 40.0  # three levels per head
-    sw.scores.copy_(scores)
-    s2 = scores * score_tri.LOG2E
-    m = s2.amax(-1)
-    sw.stats.zero_()
-    sw.stats[:, 0, 0, :g] = m.reshape(bsz * hkv, g)
-    sw.stats[:, 0, 1, :g] = torch.exp2(s2 - m[..., None]).sum(-1).reshape(bsz * hkv, g)
-    sw = dataclasses.replace(sw, **{f: getattr(sw, f).to(DEV) for f in ("scores", "stats", "lse", "ranking")})
-    gw = grid_select_workspace(bsz, hkv, pages, k, DEV, chunk=chunk)
-    got = grid_rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=gw)
-    exp = paged_select(sw.ranking, seq.to(DEV), page_size=S, k=k, backend="torch")
-    assert torch.equal(got.cpu(), exp.cpu())
-    assert len(torch.unique(sw.ranking[0, 0])) <= 81
-
-
 def test_rank_and_select_rejects_bad_arguments():
     from kvlocks.selection import fused
 

@@ -90,7 +90,6 @@ def main() -> None:
     build_kernels()
     attention_kernels()
     rerank_kernels()
-    grid_select_kernels()
     import triton
 
     print("triton", triton.__version__)
@@ -200,38 +199,6 @@ def rerank_kernels() -> None:
                                                           RADIX=radix, PDL=True), 8, launch_pdl=True)
             assert ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 1000
             _check_pdl(k.asm["ptx"], True)
-
-
-def grid_select_kernels() -> None:
-    """The grid-wide candidate select's five kernels (:mod:`kvlocks.selection.triton_gridselect`), with
-    programmatic dependent launch as the decode plan launches them; the last program of a row reads
-    the histograms the others added to past L1."""
-    from kvlocks.selection import triton_gridselect as gs
-
-    row = dict(S=16, K=1010, SINK=1, RECENT=1, CH=2048, HAS_SS=True, PDL=True)
-    i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    ptr = lambda t, *names: {n: f"*{t}" for n in names}  # noqa: E731
-    kernels = (
-        (gs._rank_kernel, {**ptr("fp32", "scores_ptr", "stats_ptr"), **i32("n_sc"),
-                           **ptr("i32", "seqlen_ptr", "ss_ptr"), **ptr("fp32", "ranking_ptr", "lse_ptr"),
-                           **ptr("i32", "keys_ptr", "hist_ptr", "meta_ptr", "done_ptr"),
-                           **i32("Hkv", "G", "max_pages", "n_chunks")},
-         dict(row, GP=8, RULE=0, BLOCK_K=256, GU=8)),
-        (gs._digit_kernel, {**ptr("i32", "keys_ptr", "hist_ptr", "meta_ptr", "done_ptr"), **i32("n_chunks")},
-         dict(SHIFT=10, DMASK=0x7FF, CH=2048, PDL=True)),
-        (gs._count_kernel, {**ptr("i32", "keys_ptr", "meta_ptr", "counts_ptr"), **i32("n_chunks")},
-         dict(CH=2048, PDL=True)),
-        (gs._place_kernel, {**ptr("i32", "keys_ptr", "meta_ptr", "counts_ptr", "seqlen_ptr", "ss_ptr", "out_ptr"),
-                            **i32("Hkv", "n_chunks")},
-         dict(row, KP=1024, SP=1, RP=1, CP=32)),
-    )
-    for fn, args, consts in kernels:
-        k = _compile(fn, args, consts, 8, launch_pdl=True)
-        ptx = k.asm["ptx"]
-        assert ".target sm_90" in ptx and len(k.asm["cubin"]) > 1000, fn.__name__
-        _check_pdl(ptx, True)
-        if fn is not gs._count_kernel and fn is not gs._place_kernel:
-            assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, fn.__name__
 
 
 ROOT = Path(__file__).resolve().parents[1]

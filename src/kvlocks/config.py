@@ -183,7 +183,6 @@ DENSE_LAUNCHES: tuple[DenseLaunch, ...] = tuple(
 )
 SCORE_KERNELS = ("auto", "cuda", "packed", "mma")
 BUILD_SOLVERS = ("auto", "lean", "onesided")
-CANDIDATE_SELECTS = ("fused", "grid")
 
 
 def _pdl_default() -> bool:
@@ -211,10 +210,6 @@ class KernelOptions(ConfigIO):
         one of ``"cuda"``, ``"packed"``, ``"mma"`` (ValueError where it cannot run)
     build_solver : the summary build's eigensolver, ``"auto"`` (``"onesided"`` with Triton >= 3.9,
         ``"lean"`` before), ``"lean"`` or ``"onesided"``; both give the reference's summaries
-    candidate_select : how the re-rank's candidates are selected (``LocksConfig.rerank``):
-        ``"fused"`` (:mod:`kvlocks.selection.fused`, chunk winners merged by one program per row) or
-        ``"grid"`` (:mod:`kvlocks.selection.triton_gridselect`, every program in every radix digit);
-        the same pages
     """
 
     pdl: bool = field(default_factory=_pdl_default)
@@ -222,7 +217,6 @@ class KernelOptions(ConfigIO):
     dense_launches: tuple[DenseLaunch, ...] = DENSE_LAUNCHES
     score_kernel: str = "auto"
     build_solver: str = "auto"
-    candidate_select: str = "fused"
 
     def __post_init__(self) -> None:
         if self.pdl not in (True, False):
@@ -240,8 +234,6 @@ class KernelOptions(ConfigIO):
             raise ValueError(f"KernelOptions.score_kernel={self.score_kernel!r}: allowed {SCORE_KERNELS}")
         if self.build_solver not in BUILD_SOLVERS:
             raise ValueError(f"KernelOptions.build_solver={self.build_solver!r}: allowed {BUILD_SOLVERS}")
-        if self.candidate_select not in CANDIDATE_SELECTS:
-            raise ValueError(f"KernelOptions.candidate_select={self.candidate_select!r}: allowed {CANDIDATE_SELECTS}")
 
 
 def default_kernel_options() -> KernelOptions:

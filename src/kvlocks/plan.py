@@ -207,12 +207,7 @@ class DecodePlan:
 
                 self.k_cand = min(max_pages, config.rerank_candidates(max_pages) + config.sink_pages
                                   + config.recent_pages)
-                if self.options.candidate_select == "grid":
-                    from kvlocks.selection.triton_gridselect import grid_select_workspace
-
-                    self.rerank_ws = grid_select_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
-                else:
-                    self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
+                self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
                 self.exact_ws = rerank_workspace(batch, num_kv_heads, group, self.k_cand, self.k, device)
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None):
@@ -236,12 +231,9 @@ class DecodePlan:
             if c.rerank:  # the same launch picks the candidates; their exact masses pick the pages
                 from kvlocks.selection.triton_rerank import rerank_pages
 
-                pick = rank_and_select
-                if opts.candidate_select == "grid":
-                    from kvlocks.selection.triton_gridselect import grid_rank_and_select as pick
-                cand = pick(self.score_ws, seq_lens, page_size=c.page_size, k=self.k_cand, combine=c.combine,
-                            sink_pages=c.sink_pages, recent_pages=c.recent_pages, workspace=self.rerank_ws,
-                            options=opts)
+                cand = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k_cand,
+                                       combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
+                                       workspace=self.rerank_ws, options=opts)
                 self.pages = rerank_pages(queries, k_cache, block_table, seq_lens, self.score_ws.scores,
                                           self.score_ws.lse, cand, c, scale=self.scale, workspace=self.exact_ws,
                                           options=opts)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvlocks.cache.layout import SummaryStore, paged_to_token_major  # noqa: E402
-from kvlocks.config import KernelOptions, LocksConfig  # noqa: E402
+from kvlocks.config import LocksConfig  # noqa: E402
 from kvlocks.plan import DecodePlan, paged_build  # noqa: E402
 from kvlocks.scoring.triton_centroid import score_pages_centroid  # noqa: E402
 from kvlocks.selection.selectors import LayerView, choose_pages  # noqa: E402
@@ -94,7 +94,7 @@ def test_centroid_kernel_refuses_what_it_cannot_score():
         score_pages_centroid(q[..., :32], store, table, seq)
 
 
-@pytest.mark.parametrize("backend", ["triton", "triton-grid", "torch"])  # triton-grid: the grid candidate select
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("g,rule,mult,floor", [(3, "mean_share", 4, 1), (4, "max_share", 2, 12),
                                                (1, "sum_mass", 16, 1)])
 def test_plan_selects_the_token_major_locks_centroid_pages_and_attends_them_exactly(g, rule, mult, floor, backend):
@@ -106,9 +106,8 @@ def test_plan_selects_the_token_major_locks_centroid_pages_and_attends_them_exac
     cfg = LocksConfig(budget=64, rerank=mult, rerank_min=floor, combine=rule, rerank_scores="centroid")
     lens = [40 * S, 23 * S + 5, 3 * S + 1, 9 * S]
     q, k, v, table, seq, store = _case(lens, hkv, g, d, cfg, seed=10 + g)
-    options = KernelOptions(candidate_select="grid" if backend == "triton-grid" else "fused")
     plan = DecodePlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1],
-                      config=cfg, dtype=torch.float32, device=DEV, backend=backend.split("-")[0], options=options)
+                      config=cfg, dtype=torch.float32, device=DEV, backend=backend)
     out, _ = plan.run(q, k, v, store, table, seq)
     sel = LocksCentroidSelector()
     for b, n in enumerate(lens):

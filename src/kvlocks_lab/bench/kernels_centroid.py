@@ -3,8 +3,7 @@ centroid score kernel alone (:mod:`kvlocks.scoring.triton_centroid`) and the who
 :class:`kvlocks.plan.DecodePlan` at each candidate multiple, with the bytes each must read; at the
 largest context also the step's launches one by one at the multiple ``PARTS_MULTIPLE``
 (``x_centroid_c8_select``: the fused selection of the candidates from the centroid scores, and
-``x_centroid_c8_select_chunkN`` the same with N pages per program instead of the default,
-``x_centroid_c8_select_grid`` the grid-wide radix select of :mod:`kvlocks.selection.triton_gridselect`;
+``x_centroid_c8_select_chunkN`` the same with N pages per program instead of the default;
 ``x_centroid_c8_exact``: their exact masses; ``x_centroid_c8_pick`` / ``x_centroid_c8_pick_sort``:
 the combine and top-k by the radix threshold or by two sorts), each on the inputs the step before
 it produced."""
@@ -16,7 +15,6 @@ import dataclasses
 import torch
 
 CENTROID_MULTIPLES = (16, 8, 6, 4)  # the locks_centroid candidate multiples measured at every context
-GRID_TOTAL = "centroid_c8_total_grid"  # the step at multiple 8 with KernelOptions(candidate_select="grid")
 PARTS_MULTIPLE = 8  # the multiple whose launches are timed one by one
 SELECT_CHUNKS = (2048, 4096, 8192, 16384)  # fused-selection chunk sizes timed beside the default
 
@@ -33,7 +31,6 @@ def centroid_bytes(case, rows, select, attend) -> dict:
         if m == PARTS_MULTIPLE:
             per_head = rows * cand * case.g * 4  # float32 per head and candidate
             out.update({f"x_centroid_c{m}_select_chunk{n}": select for n in SELECT_CHUNKS})
-            out.update({f"x_centroid_c{m}_select_grid": select, GRID_TOTAL: out[f"centroid_c{m}_total"]})
             out.update({f"x_centroid_c{m}_select": select, f"x_centroid_c{m}_pick": 3 * per_head,
                         f"x_centroid_c{m}_pick_sort": 3 * per_head,
                         f"x_centroid_c{m}_exact": rows * cand * case.lcfg.page_size * case.d * 2 + per_head})
@@ -42,21 +39,14 @@ def centroid_bytes(case, rows, select, attend) -> dict:
 
 def centroid_methods(case, device) -> dict:
     """The centroid score kernel alone and the locks_centroid step at each candidate multiple."""
-    from kvlocks.config import KernelOptions
     from kvlocks.plan import DecodePlan
     from kvlocks.scoring.triton_centroid import centroid_workspace, score_pages_centroid
 
     ws = centroid_workspace(case.bsz, case.hkv, case.g, case.p, device)
-
-    def plan(m, options=None):
-        return DecodePlan(batch=case.bsz, num_kv_heads=case.hkv, group=case.g, head_dim=case.d, max_pages=case.p,
-                          config=dataclasses.replace(case.lcfg, rerank=m, rerank_scores="centroid"),
-                          dtype=torch.bfloat16, device=device, backend="triton", options=options)
-
-    plans = {m: plan(m) for m in CENTROID_MULTIPLES}
-    grid = plan(PARTS_MULTIPLE, KernelOptions(candidate_select="grid"))
+    plans = {m: DecodePlan(batch=case.bsz, num_kv_heads=case.hkv, group=case.g, head_dim=case.d, max_pages=case.p,
+                           config=dataclasses.replace(case.lcfg, rerank=m, rerank_scores="centroid"),
+                           dtype=torch.bfloat16, device=device, backend="triton") for m in CENTROID_MULTIPLES}
     return {
-        GRID_TOTAL: lambda r: grid.run(case.q[r], case.kc, case.vc, case.store, case.tables[r], case.seq),
         "centroid_score": lambda r: score_pages_centroid(case.q[r], case.store, case.tables[r], case.seq,
                                                          workspace=ws, rank=False),
         **{f"centroid_c{m}_total": (lambda r, pl=pl: pl.run(case.q[r], case.kc, case.vc, case.store, case.tables[r],
@@ -69,7 +59,6 @@ def centroid_parts(case, device) -> dict:
     inputs are the outputs of the launches before, computed once here)."""
     from kvlocks.plan import DecodePlan
     from kvlocks.selection.fused import fused_workspace, rank_and_select
-    from kvlocks.selection.triton_gridselect import grid_rank_and_select, grid_select_workspace
     from kvlocks.selection.triton_rerank import exact_masses, pick_pages
 
     c = dataclasses.replace(case.lcfg, rerank=PARTS_MULTIPLE, rerank_scores="centroid")
@@ -93,10 +82,8 @@ def centroid_parts(case, device) -> dict:
 
     chunked = {n: dict(sel, workspace=fused_workspace(case.bsz, case.hkv, case.p, plan.k_cand, device, chunk=n))
                for n in SELECT_CHUNKS}
-    gsel = dict(sel, workspace=grid_select_workspace(case.bsz, case.hkv, case.p, plan.k_cand, device))
     return {
         f"x_centroid_c{m}_select": lambda r: rank_and_select(inputs[r][0], case.seq, **sel),
-        f"x_centroid_c{m}_select_grid": lambda r: grid_rank_and_select(inputs[r][0], case.seq, **gsel),
         **{f"x_centroid_c{m}_select_chunk{n}": (lambda r, kw=kw: rank_and_select(inputs[r][0], case.seq, **kw))
            for n, kw in chunked.items()},
         f"x_centroid_c{m}_exact": exact,
