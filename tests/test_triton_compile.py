@@ -208,7 +208,8 @@ DEVICE_TRITON = ROOT / ".venv" / "triton-device"  # scripts/setup_device_triton.
 def _compile_all(extra_path: str | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join([extra_path, str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([extra_path, str(ROOT / "src"), str(ROOT / "lab" / "src"),
+                                             env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout

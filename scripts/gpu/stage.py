@@ -173,7 +173,7 @@ def _convert(name: str, gguf: Path, stage: Path, site: Path, tokenizer: Path | N
     code = ("import sys; from pathlib import Path; from kvlocks.models.bundled import _convert_file, cache_root; "
             "_convert_file(sys.argv[1], Path(sys.argv[2]), cache_root() / sys.argv[1], "
             "Path(sys.argv[3]) if sys.argv[3] else None)")
-    env_vars = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{site}", "KVLOCKS_MODEL_DIR": str(stage / "models")}
+    env_vars = {**os.environ, "PYTHONPATH": f"{_tree_path()}:{site}", "KVLOCKS_MODEL_DIR": str(stage / "models")}
     res = subprocess.run([sys.executable, "-c", code, name, str(gguf), str(tokenizer or "")], capture_output=True,
                          text=True, env=env_vars)
     if res.returncode:
@@ -181,13 +181,25 @@ def _convert(name: str, gguf: Path, stage: Path, site: Path, tokenizer: Path | N
     log(f"converted {gguf.name} to {stage / 'models' / name}")
 
 
+def _tree_path() -> str:
+    """The working tree's two source roots: the product (``src``) and the lab (``lab/src``)."""
+    return f"{REPO / 'src'}:{REPO / 'lab' / 'src'}"
+
+
 def _write_repo_metadata(site: Path) -> None:
-    """``SITE/<name>-<version>.dist-info``: the working tree's entry points (its code stays in ``src/``)."""
+    """``SITE/<name>-<version>.dist-info`` for the product and the lab: the working tree's entry
+    points (their code stays in ``src/`` and ``lab/src/``)."""
+    for pyproject in (REPO / "pyproject.toml", REPO / "lab" / "pyproject.toml"):
+        _write_dist_info(site, pyproject)
+
+
+def _write_dist_info(site: Path, pyproject: Path) -> None:
     import tomllib
 
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    info = site / f"{project['name']}-{project['version']}.dist-info"
-    for old in site.glob(f"{project['name']}-*.dist-info"):
+    project = tomllib.loads(pyproject.read_text())["project"]
+    folder = project["name"].replace("-", "_")  # the wheel's normalised name, as importlib.metadata reads it
+    info = site / f"{folder}-{project['version']}.dist-info"
+    for old in site.glob(f"{folder}-*.dist-info"):
         shutil.rmtree(old)
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\n"
@@ -206,7 +218,7 @@ def env(stage: Path = STAGE, site: Path = SITE) -> None:
     site.mkdir(parents=True, exist_ok=True)
     stage.mkdir(parents=True, exist_ok=True)
     _write_repo_metadata(site)
-    exports = {"PYTHONPATH": f"{REPO / 'src'}:{site}", "KVLOCKS_MODEL_DIR": str(stage / "models"),
+    exports = {"PYTHONPATH": f"{_tree_path()}:{site}", "KVLOCKS_MODEL_DIR": str(stage / "models"),
                "PATH": "/usr/local/cuda/bin:$PATH", "PYTHONUNBUFFERED": "1"}
     for done in sorted(stage.glob("*/installed.json")):
         manifest = json.loads((done.parent / "manifest.json").read_text())

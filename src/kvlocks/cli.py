@@ -33,7 +33,7 @@ def _add_plugin_commands(sub) -> None:
 def _missing(name: str, exc: ImportError):
     def run(args):
         raise SystemExit(f"kvlocks {name}: needs {exc.name or exc}, which is not installed; "
-                         f"install the lab extras: pip install 'kvlocks[lab]'")
+                         f"install the lab: pip install kvlocks-lab")
     return run
 
 

@@ -137,7 +137,7 @@ def _load(name: str) -> Selector:
         cls = ep.load()
     except ImportError as exc:
         raise ValueError(f"selector {name!r} ({ep.value}) cannot be imported: {exc}; "
-                         "the lab's selectors need: pip install 'kvlocks[lab]'") from None
+                         "the lab's selectors need: pip install kvlocks-lab") from None
     return cls()
 
 
