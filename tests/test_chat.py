@@ -44,7 +44,7 @@ def test_bundled_template_prefix_plus_next_turn_is_the_two_turn_conversation():
 
 @pytest.mark.parametrize("bad", [None, "", "not json", "[1, 2]", '{"chat": "yes"}'])
 def test_cache_header_chat_flag_is_false_unless_the_reference_says_true(bad):
-    from kvlocks.commands._common import _made_with_chat
+    from kvlocks.commands.common import _made_with_chat
 
     assert _made_with_chat(bad) is False
     assert _made_with_chat('{"chat": true, "repeat": true}') is True

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvlocks.cli import build_parser, main
-from kvlocks.commands._common import Progress, add_original_fractions, bytes_line
+from kvlocks.commands.common import Progress, add_original_fractions, bytes_line
 
 PRODUCT_COMMANDS = ("demo", "generate", "compact")
 

@@ -42,7 +42,7 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
 
     ``plugins=False`` leaves out the entry-point commands (their parsers import their packages).
     """
-    from kvlocks.commands._common import Parser
+    from kvlocks.commands.common import Parser
 
     parser = Parser(prog="kvlocks", description="Cheaper long-context decoding.")
     parser.add_argument("-v", "--verbose", action="store_true",

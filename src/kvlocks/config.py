@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from kvlocks import env
-from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config_io import ConfigIO, check_int
 
 COMBINE_RULES = ("mean_share", "max_share", "sum_mass")
 BASIS_BITS = (2, 4, 8, 16)

@@ -110,7 +110,7 @@ def main() -> None:
         rows.append(r)
         emit(args.out, r)
 
-    row(name="cur", us=graph_time(cur), config=str(getattr(st._score_mma_tuned, "best_config", None)))
+    row(name="cur", us=graph_time(cur), config=str(st.tuned_launch()))
     ref = [x.clone() for x in cur()]  # the packed kernel's correctness at full size
     configs = [dict(coef=3, block=b, warps=w, stages=n) for b, w, n in
                ((16, 4, 1), (32, 4, 2), (16, 2, 2), (32, 4, 1), (16, 4, 2), (32, 8, 2), (8, 4, 1))]

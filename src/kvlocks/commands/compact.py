@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvlocks.commands._common import (
+from kvlocks.commands.common import (
     Progress, add_model_args, check_model_args, check_output_path, human_bytes, load_model, read_text_file,
     status,
 )

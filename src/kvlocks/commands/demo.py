@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvlocks.commands._common import (
+from kvlocks.commands.common import (
     Progress, add_model_args, bytes_line, check_model_args, check_output_path, load_model, status,
 )
 

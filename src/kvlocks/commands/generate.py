@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.commands._common import (
+from kvlocks.commands.common import (
     add_model_args, add_original_fractions, bytes_line, check_model_args, load_model, read_cache_header,
     read_text_file, status,
 )

@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from kvlocks.commands._common import human_bytes
+from kvlocks.commands.common import human_bytes
 
 TEXT_WIDTH = 72
 

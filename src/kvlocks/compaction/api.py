@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import batched
-from ._common import check_matrix, default_scale
+from .common import check_matrix, default_scale
 from .bias import fit_bias
 from .config import CompactionConfig
 from .fold import fold_head

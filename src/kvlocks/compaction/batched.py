@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import default_scale
+from .common import default_scale
 from .config import CompactionConfig
 from .fold import fold_keys
 from .select import coverage_scores, guarded_top_t, question_scores, guard_slots

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ._common import default_scale, logits
+from .common import default_scale, logits
 from .config import BIAS_SOLVERS
 from .solvers import bounded_lstsq
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvlocks._config_io import ConfigIO
+from kvlocks.config_io import ConfigIO
 
 METHODS = ("am", "fold", "drop", "drop_refit", "rank1", "merge_fold")
 SELECTIONS = ("attention", "omp")

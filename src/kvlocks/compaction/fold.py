@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import default_scale
+from .common import default_scale
 from .values import refit_values
 
 _ROUND = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

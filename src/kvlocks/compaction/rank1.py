@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import default_scale
+from .common import default_scale
 
 
 def augment_keys(keys: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import default_scale, logits
+from .common import default_scale, logits
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config_io import ConfigIO, check_int
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.kernels_support import BACKENDS, check_config
 

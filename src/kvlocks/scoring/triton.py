@@ -116,6 +116,11 @@ _MMA_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
 _score_mma_tuned = triton.autotune(_MMA_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_mma_kernel)
 
 
+def tuned_launch():
+    """The launch configuration the score autotuner chose last (None before a tuned CUDA call)."""
+    return getattr(_score_mma_tuned, "best_config", None)
+
+
 def score_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, device,
                     pages_per_program: int | None = None, head_dim: int = 128) -> ScoreWorkspace:
     """Buffers for :func:`score_pages_paged`, allocated once per plan. Pages per program: sized

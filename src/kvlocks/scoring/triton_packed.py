@@ -186,6 +186,11 @@ _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R"
     _score_packed_kernel)
 
 
+def tuned_launch():
+    """The launch configuration the packed-score autotuner chose last (None before a tuned CUDA call)."""
+    return getattr(_score_packed_tuned, "best_config", None)
+
+
 def score_pages_packed(queries: torch.Tensor, summaries: SummaryStore, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, *, scale: float | None = None, combine: str = "mean_share",
                    launch: dict | None = None, workspace: ScoreWorkspace | None = None, unpack: int | None = None,

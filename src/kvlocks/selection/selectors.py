@@ -28,7 +28,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import (
     combine_group, exact_page_lse, score_pages_from_centroids, score_pages_from_summaries,
 )
-from kvlocks.selection._common import page_mask
+from kvlocks.selection.pages import page_mask
 from kvlocks.selection.hierarchy import hierarchical_page_scores, hierarchical_ranking
 from kvlocks.selection.rerank import rerank_ranking
 from kvlocks.selection.topk import select_top_pages

@@ -109,6 +109,11 @@ _build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE
 ONESIDED_LAUNCH = {"BP": 1, "num_warps": 1, "maxnreg": 168}
 
 
+def tuned_launch():
+    """The launch configuration the lean bulk build's autotuner chose last (None before a tuned CUDA build)."""
+    return getattr(_build_tuned, "best_config", None)
+
+
 def _triton_version() -> tuple[int, int]:
     major, minor = (int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
     return major, minor

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config_io import ConfigIO, check_int
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.engine.models import SHAPES
 

@@ -240,11 +240,11 @@ def _score_kernel_name(device) -> str:
 
 def _tuned_score_config() -> str | None:
     """The launch configurations the score kernels' autotuners chose last (None on the CPU)."""
-    from kvlocks.scoring.triton import _score_mma_tuned
-    from kvlocks.scoring.triton_packed import _score_packed_tuned
+    from kvlocks.scoring import triton as mma
+    from kvlocks.scoring import triton_packed as packed
 
-    best = {name: str(k.best_config) for name, k in (("mma", _score_mma_tuned), ("packed", _score_packed_tuned))
-            if getattr(k, "best_config", None) is not None}
+    best = {name: str(c) for name, c in (("mma", mma.tuned_launch()), ("packed", packed.tuned_launch()))
+            if c is not None}
     return str(best) if best else None
 
 
@@ -256,7 +256,7 @@ def _tuned_build_config() -> str | None:
     solver = bt.resolve_solver("auto")
     if solver == "onesided":
         return f"onesided {bt.ONESIDED_LAUNCH}"
-    best = getattr(bt._build_tuned, "best_config", None)
+    best = bt.tuned_launch()
     return None if best is None else f"{solver} {best}"
 
 

@@ -26,7 +26,7 @@ def _csv(kind):
 
 
 def add_parser(sub) -> None:
-    from kvlocks.commands._common import HelpFormatter
+    from kvlocks.commands.common import HelpFormatter
     from kvlocks.compaction.config import METHODS as COMPACTIONS
     from kvlocks_lab.eval.suite import EvalConfig, task_names
     from kvlocks.integrations.hf import method_names

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvlocks._config_io import ConfigIO
+from kvlocks.config_io import ConfigIO
 
 from kvlocks.compaction.config import BIAS_SOLVERS, METHODS, CompactionConfig
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlocks.compaction._common import default_scale
+from kvlocks.compaction.common import default_scale
 from kvlocks.compaction.api import CompactedHead, compact_head, subsample_queries
 from kvlocks.compaction.bias import fit_bias
 from kvlocks.compaction.config import METHODS, CompactionConfig

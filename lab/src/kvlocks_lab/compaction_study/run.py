@@ -56,7 +56,7 @@ def run_study(cfg: StudyConfig, out: Path, *, model=None, tok=None, progress: bo
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
-        from kvlocks.commands._common import DTYPES
+        from kvlocks.commands.common import DTYPES
         from kvlocks.models import load
 
         model, tok = load(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config_io import ConfigIO, check_int
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config_io import ConfigIO, check_int
 from kvlocks.config import LocksConfig
 
 

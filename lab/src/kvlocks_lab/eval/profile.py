@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--out", type=Path, help="JSON file for the rows")
     args = p.parse_args(argv)
-    from kvlocks.commands._common import DTYPES
+    from kvlocks.commands.common import DTYPES
     from kvlocks.models import load
 
     model, tok = load(args.model, dtype=DTYPES[args.dtype], device=args.device)

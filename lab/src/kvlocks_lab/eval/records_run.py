@@ -99,7 +99,7 @@ def run_records(cfg: RecordsConfig, out: Path, *, records=None, scorers: dict | 
             raise ValueError(f"scorers[{name!r}] = {fn!r}: must be a callable fn(prediction, answers) -> float")
     pairs, task = read(cfg, records, scorers)  # checked before the model loads
     if model is None:
-        from kvlocks.commands._common import DTYPES
+        from kvlocks.commands.common import DTYPES
         from kvlocks.models import load
 
         model, tok = load(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)

@@ -7,7 +7,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvlocks._config_io import check_int
+from kvlocks.config_io import check_int
 from kvlocks_lab.eval.grid import GridSettings
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
     rows_path = out / "rows.jsonl"
     done = load_done(rows_path)
     if model is None:
-        from kvlocks.commands._common import DTYPES
+        from kvlocks.commands.common import DTYPES
         from kvlocks.models import load
 
         model, tok = load(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlocks._config_io import ConfigIO, check_int
+from kvlocks.config_io import ConfigIO, check_int
 
 DEFAULT_TASKS = ("niah_single_text", "niah_multikey", "passkey")
 DEFAULT_BUDGETS = (48, 64, 128, 256, 512)

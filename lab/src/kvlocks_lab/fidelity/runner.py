@@ -101,7 +101,7 @@ def run_fidelity(config: FidelityConfig, out: Path, *, model=None, tok=None, cap
     t0, load0 = time.perf_counter(), os.getloadavg()
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
-        from kvlocks.commands._common import DTYPES
+        from kvlocks.commands.common import DTYPES
         from kvlocks.models import load
 
         model, tok = load(config.model, dtype=DTYPES[config.dtype], device=config.device)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlocks.selection._common import fake_quant, full_pages
+from kvlocks.selection.pages import fake_quant, full_pages
 from kvlocks_lab.selectors.shadowkv import sequence_basis
 
 

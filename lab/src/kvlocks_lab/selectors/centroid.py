@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import (
+from kvlocks.selection.pages import (
     NEG_INF, block_bounds, check_bits, fake_quant, full_pages, mask_empty_pages, page_mask, token_weights,
 )
 from kvlocks_lab.selectors.matched_bytes import centroid_bytes

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import score_pages_from_centroids
-from kvlocks.selection._common import page_mask
+from kvlocks.selection.pages import page_mask
 from kvlocks.selection.selectors import LocksSelector
 
 

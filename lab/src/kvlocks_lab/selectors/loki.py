@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import (
+from kvlocks.selection.pages import (
     check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask,
 )
 from kvlocks_lab.selectors.matched_bytes import loki_bytes, matched_loki

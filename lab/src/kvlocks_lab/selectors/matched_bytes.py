@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import check_bits, scale_bytes
+from kvlocks.selection.pages import check_bits, scale_bytes
 
 
 def envelope_bytes(head_dim: int, sub_pages: int, bits: int | None, elem_size: int = 2) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import exact_page_lse
-from kvlocks.selection._common import page_mask
+from kvlocks.selection.pages import page_mask
 
 
 class OraclePerHeadSelector:

@@ -24,7 +24,7 @@ import math
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import (
+from kvlocks.selection.pages import (
     NEG_INF, block_bounds, check_bits, full_pages, mask_empty_pages, page_mask,
 )
 from kvlocks_lab.selectors.matched_bytes import envelope_bytes

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import mask_empty_pages, page_mask
+from kvlocks.selection.pages import mask_empty_pages, page_mask
 
 _MIX = 1_000_003
 

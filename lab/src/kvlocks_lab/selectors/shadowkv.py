@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection._common import (
+from kvlocks.selection.pages import (
     check_bits, check_rank, fake_quant, full_pages, mask_empty_pages, masked_page_lse, page_mask,
     token_weights,
 )
