@@ -1,4 +1,4 @@
-"""Merge several ``kvlocks bench`` summaries (one device call each) into one result file.
+"""Merge several ``kvlocks bench`` summaries (one GPU run each) into one result file.
 
     python scripts/analysis/merge_bench_runs.py OUT.json --note "..." RUN.json[=COMMAND] ...
 

@@ -8,7 +8,7 @@ memory (three SmolLM2 jobs stopped) and left each job a twentieth of the machine
 Each job writes ``STATE/<name>/`` (its ``rows.jsonl`` grows row by row, and ``kvlocks eval``
 skips the rows it holds, so a job stopped at the time limit continues in the next call) and
 ``STATE/<name>.log``. At the end (or at ``--time-limit``) the whole state is packed into
-``OUT/eval_state.tgz`` (one file: a device call returns at most 8) and each job's progress is
+``OUT/eval_state.tgz`` (one file: a GPU run returns at most 8) and each job's progress is
 printed. A later call continues from ``STATE`` if the machine kept ``/tmp``, else from
 ``--resume`` (the previous call's tarball, carried back).
 

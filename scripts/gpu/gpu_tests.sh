@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU test list in one device call: the kernel, nvcc, re-rank and vLLM decode-step tests and the engine's GPU tests (small
+# The GPU test list in one GPU run: the kernel, nvcc, re-rank and vLLM decode-step tests and the engine's GPU tests (small
 # random models, no bundled model needed), under pytest-xdist workers that share the GPU (Triton and
 # nvcc compiles are CPU-bound: one process needs about three 10-minute calls for the list).
 #

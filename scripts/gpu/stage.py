@@ -1,6 +1,6 @@
-"""Carry what a GPU run needs onto the device machine, one part per call.
+"""Carry what a GPU run needs onto the GPU machine, one part per call.
 
-A device call takes the working tree and at most 64 MiB in all, and the machine keeps ``/tmp``
+A run on the GPU machine takes the working tree and at most 64 MiB in all, and the machine keeps ``/tmp``
 for about 30 s after a call while it stays warm. So anything larger (the bundled model's GGUF,
 vLLM) travels as parts of one ignored folder each, carried by calls made right after each other,
 and is joined and installed on the device by the last one.

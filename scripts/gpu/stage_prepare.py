@@ -1,4 +1,4 @@
-"""``stage.py prepare``: fetch the bundles here and split them into parts of one device call each.
+"""``stage.py prepare``: fetch the bundles here and split them into parts of one GPU run each.
 
 Bundles (``BUNDLES``):
 
@@ -210,7 +210,7 @@ BUNDLES = {"tests": bundle_tests, "model": bundle_model, "vllm": bundle_vllm, "g
 
 
 def tree_bytes() -> int:
-    """Bytes of what a device call sends besides the carried paths: tracked and unignored files."""
+    """Bytes of what a GPU run sends besides the carried paths: tracked and unignored files."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                          capture_output=True, check=True).stdout
     return sum((REPO / p).stat().st_size for p in out.decode().split("\0") if p and (REPO / p).is_file())

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA vLLM tests (tests/vllm_gpu) in one device call, vLLM and the bundled model staged
+# The CUDA vLLM tests (tests/vllm_gpu) in one GPU run, vLLM and the bundled model staged
 # (scripts/gpu/README.md: "vLLM 0.26 with the bundled model"). Each test runs its engines in
 # subprocesses; the tests run side by side under pytest-xdist (one worker each, every engine
 # sized to 12 % of the GPU's memory, each worker with its own vLLM compile cache).

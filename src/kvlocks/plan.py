@@ -1,6 +1,6 @@
 """The paged decode path: one function per step over a page-table layout, and the plan/run object.
 
-Layout (``docs/layout.md``): K/V in a paged cache ``[num_pages, S, Hkv, D]``, each sequence's pages
+Layout (``docs/paged-layout.md``): K/V in a paged cache ``[num_pages, S, Hkv, D]``, each sequence's pages
 in a block table ``[B, max_pages]``, summaries in a :class:`~kvlocks.cache.layout.SummaryStore`
 per physical page. (The per-sequence reference functions with the same steps are
 :func:`kvlocks.score_pages` and :func:`kvlocks.select_pages`.)

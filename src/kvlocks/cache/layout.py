@@ -1,4 +1,4 @@
-"""The paged layout shared by the decode kernels (see ``docs/layout.md``).
+"""The paged layout shared by the decode kernels (see ``docs/paged-layout.md``).
 
 K/V live in a vLLM-style paged cache: ``k_cache, v_cache [num_pages, S, Hkv, D]`` (vLLM's
 FlashAttention backend layout, ``kv_cache[0]`` / ``kv_cache[1]``; any strides with a contiguous

@@ -1,6 +1,7 @@
 """Attention-Matching KV compaction with bias folding (pure PyTorch, one KV head at a time).
 
-See ``docs/design.md`` and seed ``003_6e6dd20acfc81828.txt``. Entry points:
+See ``docs/compaction.md`` and "Folding Attention Biases into Keys Makes Compacted KV Caches Run on
+Standard Kernels" (Kanwat, arXiv, 2026). Entry points:
 :func:`compact_head` and :func:`compact_layer`; the building blocks are exported for studies.
 """
 

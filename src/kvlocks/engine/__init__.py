@@ -1,4 +1,4 @@
-"""A GPU decode engine for whole Hugging Face decoders on the paged LOCKS cache (docs/e2e.md).
+"""A GPU decode engine for whole Hugging Face decoders on the paged LOCKS cache (docs/engine.md).
 
 Modules, one concept each: ``config`` (EngineConfig), ``parts`` (the model's own submodules),
 ``cache`` (static paged cache for all layers), ``prefill`` (dense, chunked), ``attention``

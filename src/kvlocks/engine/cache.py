@@ -1,4 +1,4 @@
-"""A preallocated, static paged cache for every layer of a model (the layout of docs/layout.md).
+"""A preallocated, static paged cache for every layer of a model (the layout of docs/paged-layout.md).
 
 Per layer: ``k[l], v[l] [num_pages, S, Hkv, D]`` and a :class:`SummaryStore`; shared by
 the layers: ``block_table [B, max_pages]`` int32 and ``seq_lens [B]`` int32, all on the device.

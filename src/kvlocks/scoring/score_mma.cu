@@ -3,7 +3,7 @@
 // Same inputs and outputs as the Triton score kernels (kvlocks/scoring/triton.py): per (sequence,
 // KV head) row and chunk of pages, the per-head page scores (natural log) and the per-head running
 // (max, sum of exp2) over the chunk's pages, in log2 units, for the combine kernel.
-// Layout of the summary store: docs/layout.md (int4 basis [P, Hkv, R, D/2], int8 coefficients
+// Layout of the summary store: docs/paged-layout.md (int4 basis [P, Hkv, R, D/2], int8 coefficients
 // [P, Hkv, S, R] and centroids [P, Hkv, D], float16 scales). S = 16, R = 8, D = 64 or 128, G <= 16.
 //
 // Each warp takes tiles of 16 pages (tiles interleaved across the block's warps) in groups of four;

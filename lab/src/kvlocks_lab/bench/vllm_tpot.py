@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--max-context", type=int, default=524288,
-                    help="cap of 'max' (a 1M-token prefill of a 9B model takes longer than one device call)")
+                    help="cap of 'max' (a 1M-token prefill of a 9B model takes longer than one GPU run's time limit)")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process (all of one model's contexts)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after each cell's TPOT, GPU time per kernel class of one decode step, from this many "

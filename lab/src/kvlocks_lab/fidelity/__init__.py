@@ -1,8 +1,8 @@
 """The fidelity lab: the LOCKS chain of evidence measured on real activations.
 
 page-local spectral concentration -> token-logit fidelity -> log-sum-exp ranking fidelity ->
-carrier survival, for LOCKS and the selectors it is compared with (seed
-``000_3dddd7c3b54a8d26.txt`` §3, §5, §6). Modules, one concept each:
+carrier survival, for LOCKS and the selectors it is compared with ("LOCKS: Page-Local Compact Key
+Summaries for Efficient Long-Context Decoding", arXiv 2607.24555, §3, §5, §6). Modules, one concept each:
 
 - :mod:`.prompts` needle / prose / calibration prompts; :mod:`.capture` activations as safetensors;
 - :mod:`.exact` one layer's data and dense reference; :mod:`.variants` the selectors measured;

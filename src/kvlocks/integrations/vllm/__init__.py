@@ -1,4 +1,4 @@
-"""vLLM integration: a general plugin registering a LOCKS attention backend (CPU), see docs/vllm.md.
+"""vLLM integration: a general plugin registering a LOCKS attention backend (CUDA and CPU), see docs/vllm.md.
 
 Importing this package imports nothing from vLLM and changes nothing; :func:`enable` (or the
 ``KVLOCKS_VLLM_CONFIG`` environment variable read by the ``vllm.general_plugins`` entry point)
