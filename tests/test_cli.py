@@ -229,7 +229,7 @@ def test_original_prefix_fractions_scale_with_the_logical_context():
 
 
 def test_original_prefix_fractions_of_a_hybrid_model_grow_only_the_global_layers():
-    from kvlocks.integrations.stats import DecodeStats
+    from kvlocks.integrations.hf.stats import DecodeStats
 
     st = DecodeStats()  # one step: a window layer reading its 4 tokens (8 bytes each), a dense global one 11
     st.add(0, kind="window", pages=1, tokens=4, context=100, selection_bytes=0.0, kv_bytes=32.0, full_bytes=32.0)

@@ -22,7 +22,7 @@ from kvlocks.compaction.model import compact_capture
 from kvlocks.compaction.passes import QueryPass
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import cache_kwargs
-from kvlocks.integrations.hybrid import layer_windows
+from kvlocks.hybrid import layer_windows
 
 from test_gemma import GLOBAL, TYPES, W, ids_of, tiny_gemma
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_mod
 
-from kvlocks.integrations.sdpa import dense_attention
+from kvlocks.integrations.hf.sdpa import dense_attention
 
 
 def _flags() -> dict[str, bool]:

@@ -13,9 +13,10 @@ import torch
 
 from kvlocks import LocksConfig, build_summaries, dense_decode, score_pages, sparse_decode
 from kvlocks.integrations.hf import LocksCache, enable, method_names
-from kvlocks.integrations.hf_decode import prefill, step
-from kvlocks.integrations.hybrid import WindowLayer, layer_kinds, layer_windows
-from kvlocks.integrations.stats import DecodeStats, layers_line
+from kvlocks.integrations.hf.decode import prefill, step
+from kvlocks.hybrid import layer_windows
+from kvlocks.integrations.hf.window import WindowLayer, layer_kinds
+from kvlocks.integrations.hf.stats import DecodeStats, layers_line
 from kvlocks.scoring import exact_page_lse
 
 from conftest import low_rank_pages

@@ -8,7 +8,7 @@ import torch
 
 from kvlocks import LocksConfig
 from kvlocks.integrations.hf import LocksCache, enable
-from kvlocks.integrations.hf_decode import prefill, step
+from kvlocks.integrations.hf.decode import prefill, step
 
 pytestmark = pytest.mark.model
 

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # the Triton-backend tests below run in the i
     os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports triton (tests/test_kernels.py does too)
 
 from kvlocks import LocksConfig, build_summaries
-from kvlocks.integrations.hf_decode import prefill, step
+from kvlocks.integrations.hf.decode import prefill, step
 from kvlocks.integrations.hf import LocksCache, cache_kwargs
 
 pytestmark = pytest.mark.model
@@ -163,7 +163,7 @@ def interpreter():
 
 
 def test_triton_backend_matches_reference_path(interpreter, monkeypatch):
-    import kvlocks.integrations.hf as hf
+    import kvlocks.integrations.hf.cache as hf
 
     calls = []
     kernel_decode = hf._kernel_decode

@@ -5,7 +5,7 @@ import torch
 
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.config import LocksConfig
-from kvlocks.integrations.hf_cpu import ScoringBuffers, attend_pages, locks_pages, page_major, select_pages
+from kvlocks.integrations.hf.cpu import ScoringBuffers, attend_pages, locks_pages, page_major, select_pages
 from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
 from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
 from kvlocks.selection.topk import select_top_pages
@@ -100,7 +100,7 @@ def test_cpu_path_equals_the_references_through_the_model(model_tok):
     """Greedy decoding from one prefill: the CPU path (default) and backend="torch" agree on every
     token, and their logits agree closely, through a page fill and a crop."""
     from kvlocks.integrations.hf import LocksCache
-    from kvlocks.integrations.hf_decode import prefill, step
+    from kvlocks.integrations.hf.decode import prefill, step
 
     model, tok = model_tok
     ids = tok("The quick brown fox jumps over the lazy dog. " * 40, return_tensors="pt").input_ids[:, :310]

@@ -153,7 +153,7 @@ def test_hf_cache_reads_the_stores_group_summaries():
 
     from kvlocks.cache.paged import PagedLayerStore
     from kvlocks.integrations.hf import LocksCache, enable
-    from kvlocks.integrations.hf_decode import prefill, step
+    from kvlocks.integrations.hf.decode import prefill, step
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -181,7 +181,7 @@ def test_hf_cache_reads_the_stores_group_summaries():
     torch.testing.assert_close(kept, rebuilt, rtol=0, atol=1e-5)
     # bytes: 174 tokens = 10 full pages in 5 full groups, 1 group kept (one free slot): the step reads
     # the 5 group summaries and the kept group's 2 page summaries, not the 10 page summaries
-    from kvlocks.integrations.stats import DecodeStats
+    from kvlocks.integrations.hf.stats import DecodeStats
 
     kept_cache = run()[1]
     store = kept_cache.layers[0].store

@@ -141,7 +141,7 @@ def test_hf_cache_with_full_coverage_rerank_decodes_as_the_oracle_and_counts_key
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvlocks.integrations.hf import LocksCache, enable
-    from kvlocks.integrations.hf_decode import prefill, step
+    from kvlocks.integrations.hf.decode import prefill, step
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)

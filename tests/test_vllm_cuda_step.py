@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
 from kvlocks.attention.reference import sparse_decode  # noqa: E402
 from kvlocks.cache.layout import SummaryStore  # noqa: E402
 from kvlocks.config import LocksConfig  # noqa: E402
-from kvlocks.integrations.vllm.cuda_compat import split_flash_kv_cache  # noqa: E402
-from kvlocks.integrations.vllm.cuda_step import LocksDecoder, LocksStep, PlanPool, binary_chunks, step_lens  # noqa: E402
-from kvlocks.integrations.vllm.cuda_store import EXTERNAL, CudaSummaryStore  # noqa: E402
+from kvlocks.integrations.vllm.cuda.compat import split_flash_kv_cache  # noqa: E402
+from kvlocks.integrations.vllm.cuda.step import LocksDecoder, LocksStep, PlanPool, binary_chunks, step_lens  # noqa: E402
+from kvlocks.integrations.vllm.cuda.store import EXTERNAL, CudaSummaryStore  # noqa: E402
 from kvlocks.plan import paged_build  # noqa: E402
 from kvlocks.scoring.reference import combine_group, score_pages_from_summaries  # noqa: E402
 from kvlocks.selection.topk import select_top_pages  # noqa: E402
@@ -51,7 +51,7 @@ def test_binary_chunks_cover_rows_in_powers_of_two(cap):
 
 def test_plan_pool_cap_follows_budget():
     """Plans of every power of two up to the cap fit the budget; a batch runs as chunks of them."""
-    from kvlocks.integrations.vllm.cuda_step import _tensor_bytes
+    from kvlocks.integrations.vllm.cuda.step import _tensor_bytes
 
     shape = (HKV, G, D, 64, 0.125, torch.float32, torch.device("cpu"), CFG, "triton")
     assert PlanPool(budget_bytes=1 << 40, max_rows=8).cap(shape) == 8

@@ -37,7 +37,7 @@ import kvlocks_lab.eval.runner as runner
 from kvlocks.compaction import serve
 from kvlocks.config import LocksConfig
 from kvlocks_lab.eval.compacted import CompactionSettings, RecordCompactions
-from kvlocks.integrations.hf_decode import prefill, step
+from kvlocks.integrations.hf.decode import prefill, step
 from kvlocks_lab.eval.metrics import kl_divergence, top1_agreement
 from kvlocks_lab.eval.suite import EvalConfig
 from kvlocks_lab.eval.tasks import generate

@@ -14,7 +14,7 @@ from dataclasses import asdict
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.integrations.hf_decode import greedy_answer
+from kvlocks.integrations.hf.decode import greedy_answer
 from kvlocks.integrations.hf import LocksCache
 
 TOPICS = ("execmodel", "exceptions", "naming", "import", "compound", "dynamic-features", "for", "try",

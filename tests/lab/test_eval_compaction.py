@@ -156,7 +156,7 @@ def test_fits_are_saved_reloaded_without_refitting_and_cleaned_up(model_tok, pre
 def test_decoding_over_a_compacted_cache_continues_at_position_T(model_tok, prefix_ids, rc):
     """Token-by-token steps over the served cache give serve.generate's greedy tokens (ratio 0.5)."""
     from kvlocks.compaction import serve
-    from kvlocks.integrations.hf_decode import step
+    from kvlocks.integrations.hf.decode import step
     from kvlocks_lab.eval.shared_prefill import SharedPrefill
 
     model, tok = model_tok
@@ -234,7 +234,7 @@ def test_fork_of_a_locks_cache_over_a_compacted_prefix_continues_at_position_T(m
 
     from kvlocks.compaction import serve
     from kvlocks.config import LocksConfig
-    from kvlocks.integrations.hf_decode import step
+    from kvlocks.integrations.hf.decode import step
     from kvlocks_lab.eval.shared_prefill import fork_cache
 
     model, tok = model_tok

@@ -76,7 +76,7 @@ def test_the_method_sets_its_candidate_multiple_decodes_as_the_oracle_and_counts
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvlocks.integrations.hf import LocksCache, enable, method_names
-    from kvlocks.integrations.hf_decode import prefill, step
+    from kvlocks.integrations.hf.decode import prefill, step
 
     mc = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=D, max_position_embeddings=1024)

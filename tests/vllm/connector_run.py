@@ -19,11 +19,11 @@ if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
 
-    from kvlocks.integrations.vllm.compacted import PARAM, compacted_request, placeholder_ids, read_header
+    from kvlocks.integrations.vllm.connector.compacted import PARAM, compacted_request, placeholder_ids, read_header
     from kvlocks.models import resolve
 
     t0 = time.time()
-    kv = {"kv_connector": "KvlocksConnector", "kv_connector_module_path": "kvlocks.integrations.vllm.connector",
+    kv = {"kv_connector": "KvlocksConnector", "kv_connector_module_path": "kvlocks.integrations.vllm.connector.kv_connector",
           "kv_role": "kv_consumer", "kv_connector_extra_config": {"cache_dir": spec["cache_dir"]}}
     llm = LLM(model=str(resolve("smollm2-135m")), enforce_eager=True, seed=0, kv_transfer_config=kv, **spec["llm"])
     vocab = llm.llm_engine.model_config.get_vocab_size()

@@ -2,7 +2,7 @@
 
 Run as a script (``python hf_ref.py SPEC.json OUT.json``) or call :func:`run`. It records, for
 each decode step and layer, the pages :func:`kvlocks.selection.choose_pages` returned inside
-:class:`kvlocks.integrations.hf.LocksLayer` (wrapped for the duration of the call only).
+:class:`kvlocks.integrations.hf.cache.LocksLayer` (wrapped for the duration of the call only).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 
 def run(prompt_ids: list[int], locks_json: str | None, max_tokens: int, dtype: str = "float32") -> dict:
-    import kvlocks.integrations.hf as hf
+    import kvlocks.integrations.hf.cache as hf
+    from kvlocks.integrations.hf import cache_kwargs
     from kvlocks.config import LocksConfig
     from kvlocks.models import load
 
@@ -35,7 +36,7 @@ def run(prompt_ids: list[int], locks_json: str | None, max_tokens: int, dtype: s
         ids = torch.tensor([prompt_ids])
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 do_sample=False, **hf.cache_kwargs(model, cache))
+                                 do_sample=False, **cache_kwargs(model, cache))
     finally:
         hf.choose_pages = real
     if locks_json and not records:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvlocks.integrations.vllm import compat
-from kvlocks.integrations.vllm.compacted import FileHeader, placeholder_ids, read_header, resolve_path
-from kvlocks.integrations.vllm.rope import RopeShiftError, key_shifter
+from kvlocks.integrations.vllm.connector.compacted import FileHeader, placeholder_ids, read_header, resolve_path
+from kvlocks.integrations.vllm.connector.rope import RopeShiftError, key_shifter
 
 LLAMA = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              max_position_embeddings=4096)

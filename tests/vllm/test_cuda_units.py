@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.integrations.vllm import compat, cuda_compat, plugin
+from kvlocks.integrations.vllm import compat, plugin
+from kvlocks.integrations.vllm.cuda import compat as cuda_compat
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_plugin_registers_flash_attn_on_cuda(registry, monkeypatch):
     plugin.register()
     assert registry.FLASH_ATTN.get_path() == cuda_compat.CUDA_BACKEND_PATH
     assert not registry.CPU_ATTN.is_overridden()
-    from kvlocks.integrations.vllm.cuda_backend import LocksFlashAttentionBackend
+    from kvlocks.integrations.vllm.cuda.backend import LocksFlashAttentionBackend
 
     assert registry.FLASH_ATTN.get_class() is LocksFlashAttentionBackend
 
@@ -61,7 +62,7 @@ def test_backend_is_flash_attention_with_decode_graphs(monkeypatch):
     from vllm.v1.attention.backends import flash_attn as fa
 
     monkeypatch.setenv(plugin.ENV_VAR, LocksConfig(budget=256).to_json())
-    from kvlocks.integrations.vllm import cuda_backend as cb
+    from kvlocks.integrations.vllm.cuda import backend as cb
 
     be = cb.LocksFlashAttentionBackend
     assert issubclass(be, fa.FlashAttentionBackend) and be.get_name() == "FLASH_ATTN"

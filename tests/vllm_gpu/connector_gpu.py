@@ -15,12 +15,12 @@ if __name__ == "__main__":
 
     from kvlocks.config import LocksConfig
     from kvlocks.integrations.vllm import enable
-    from kvlocks.integrations.vllm.compacted import compacted_request
+    from kvlocks.integrations.vllm.connector.compacted import compacted_request
     from kvlocks.models import resolve
 
     if spec.get("locks"):
         enable(LocksConfig.from_json(spec["locks"]))
-    kv = {"kv_connector": "KvlocksConnector", "kv_connector_module_path": "kvlocks.integrations.vllm.connector",
+    kv = {"kv_connector": "KvlocksConnector", "kv_connector_module_path": "kvlocks.integrations.vllm.connector.kv_connector",
           "kv_role": "kv_consumer", "kv_connector_extra_config": {"cache_dir": spec["cache_dir"]}}
     llm = LLM(model=str(resolve("smollm2-135m")), seed=0, kv_transfer_config=kv, **spec["llm"])
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -37,7 +37,7 @@ if __name__ == "__main__":
                                 "num_cached_tokens": o.num_cached_tokens}
     counters = None
     if spec.get("locks"):
-        from kvlocks.integrations.vllm.cuda_backend import debug_counters
+        from kvlocks.integrations.vllm.cuda.backend import debug_counters
 
         counters = debug_counters()
     json.dump({"results": results, "counters": counters}, open(sys.argv[2], "w"))

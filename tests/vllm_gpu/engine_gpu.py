@@ -55,7 +55,7 @@ if __name__ == "__main__":
     gen_s = time.time() - t1
     counters = None
     if spec.get("locks"):
-        from kvlocks.integrations.vllm.cuda_backend import debug_counters
+        from kvlocks.integrations.vllm.cuda.backend import debug_counters
 
         counters = debug_counters()
     preemptions = None

@@ -2,7 +2,7 @@
 
 Every engine runs in its own process with the engine core in that process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one GPU, the uniprocess executor), so the LOCKS backend's
-counters (:func:`kvlocks.integrations.vllm.cuda_backend.debug_counters`) are readable there. The
+counters (:func:`kvlocks.integrations.vllm.cuda.backend.debug_counters`) are readable there. The
 prompt helpers are the CPU suite's (``tests/vllm/helpers.py``).
 """
 

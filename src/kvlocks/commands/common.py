@@ -223,7 +223,7 @@ def bytes_line(stats: dict, *, original: dict | None = None) -> str:
         f"+ K/V {human_bytes(stats['kv_bytes'])}"
     )
     full = f"full {human_bytes(stats['full_bytes'])} ({100 * stats['read_fraction']:.1f}%)"
-    from kvlocks.integrations.stats import layers_line
+    from kvlocks.integrations.hf.stats import layers_line
 
     kinds = layers_line(stats) if "window" in stats.get("layers", {}) else ""  # a hybrid model's layer kinds
     if original is not None:

@@ -90,7 +90,7 @@ def run(args) -> int:
     from kvlocks.compaction.passes import ReferenceConfig
     from kvlocks.compaction.config import CompactionConfig
     from kvlocks.compaction.model import compact_prefix
-    from kvlocks.integrations.hybrid import layer_windows
+    from kvlocks.hybrid import layer_windows
 
     config = CompactionConfig(method=args.method, ratio=args.ratio, selection=args.selection,
                               max_queries=args.max_queries, seed=args.seed,

@@ -20,7 +20,7 @@ def run_side_by_side(args, model, tok, enc, config, prepare, gen: dict) -> int:
     """Generate with every method of ``args.method`` (``prepare(name)``: the cache's method,
     ``gen``: ``generate``'s options); print a table (or one JSON object)."""
     from kvlocks.integrations.hf import LocksCache, cache_kwargs
-    from kvlocks.integrations.hf_decode import prefill
+    from kvlocks.integrations.hf.decode import prefill
 
     ids = enc.input_ids  # [1, T]
     if ids.shape[1] < 2:

@@ -71,7 +71,7 @@ def compact_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     ``[B, Hkv, N, D]``; returns ``([B, L, Hq, D], None)``.
     """
     from kvlocks.integrations.hf import kvlocks_attention
-    from kvlocks.integrations.sdpa import dense_attention
+    from kvlocks.integrations.hf.sdpa import dense_attention
 
     recorder = getattr(key, "_kvlocks_record", None)
     if recorder is not None:

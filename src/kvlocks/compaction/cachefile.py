@@ -238,7 +238,7 @@ def _inspect(path: Path, f, model_check=None):
 
 def _check_windows(path: Path, windows, model) -> None:
     """``ValueError`` unless the file's sliding-window layers are the model's."""
-    from kvlocks.integrations.hybrid import layer_windows
+    from kvlocks.hybrid import layer_windows
 
     have = layer_windows(model.config)
     if (windows or (None,) * len(have)) != have:

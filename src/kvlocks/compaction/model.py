@@ -30,7 +30,7 @@ from .api import compact_layer
 from .capture import Capture, capture_queries, check_prefix_ids
 from .config import CompactionConfig
 from .passes import ReferenceConfig, reference_passes
-from kvlocks.integrations.hybrid import layer_windows
+from kvlocks.hybrid import layer_windows
 
 logger = logging.getLogger(__name__)
 

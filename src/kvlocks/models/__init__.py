@@ -21,7 +21,7 @@ from kvlocks.models.quiet import quiet
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # gemma3_text: hybrid (integrations.hybrid)
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # gemma3_text: hybrid (kvlocks.hybrid)
 
 
 def check(name_or_path: str) -> Path | None:

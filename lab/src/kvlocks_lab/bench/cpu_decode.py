@@ -3,7 +3,7 @@
 ``python -m kvlocks_lab.bench.cpu_decode --out DIR [--lengths 4096,8192] [--budget 256]``
 
 Per length L, one passkey record of L minus the decoded tokens is prefilled once; every method decodes from a fork of that cache
-through :func:`kvlocks.integrations.hf_decode.step` (the eval runner's step), the methods taking
+through :func:`kvlocks.integrations.hf.decode.step` (the eval runner's step), the methods taking
 turns step by step so that load from other processes falls on all of them alike. Methods:
 ``full``, a selector name (``locks``, ``oracle``: the default CPU path) and ``NAME_ref`` (the same
 selector on ``backend="torch"``, the pure-PyTorch references). Times are summed over blocks of
@@ -33,7 +33,7 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import LocksCache
-from kvlocks.integrations.hf_decode import prefill, step
+from kvlocks.integrations.hf.decode import prefill, step
 
 
 @dataclass(frozen=True, kw_only=True)

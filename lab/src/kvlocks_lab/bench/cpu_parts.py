@@ -4,7 +4,7 @@ Run on layer 0 of a prefilled cache, with a query made of that layer's last key 
 the GQA group (the values do not change the work). Parts:
 
 - ``full``: transformers' SDPA over every token (what the ``full`` method runs);
-- the CPU path (:mod:`kvlocks.integrations.hf_cpu`): ``scores`` (Eq. 4 from the dequantized
+- the CPU path (:mod:`kvlocks.integrations.hf.cpu`): ``scores`` (Eq. 4 from the dequantized
   buffers), ``combine``, ``select``, ``attend`` (copy of the selected pages + SDPA), and
   ``sync_all`` (dequantizing every page into fresh buffers, paid once per fork);
 - the references (``_ref``): ``scores`` (:func:`~kvlocks.scoring.reference.score_pages_from_summaries`),
@@ -41,7 +41,7 @@ def layer_parts(model, cache, method: str) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from kvlocks.attention.reference import sparse_decode
-    from kvlocks.integrations.hf_cpu import ScoringBuffers, attend_pages, page_major, select_pages
+    from kvlocks.integrations.hf.cpu import ScoringBuffers, attend_pages, page_major, select_pages
     from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages_from_summaries
     from kvlocks.selection.topk import select_top_pages
     from kvlocks.summary.build import build_summaries

@@ -168,7 +168,7 @@ def _profile_cell(llm, prompts, params, steps: int, backend: str) -> dict:
     def eager_steps():
         if backend != "LOCKS":
             return 0
-        from kvlocks.integrations.vllm.cuda_backend import debug_counters
+        from kvlocks.integrations.vllm.cuda.backend import debug_counters
 
         return debug_counters()["eager_steps"]
 

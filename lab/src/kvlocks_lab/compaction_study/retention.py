@@ -46,7 +46,7 @@ from kvlocks.compaction.config import CompactionConfig
 from kvlocks.compaction.model import CompactedPrefix, identity_layer, model_info
 from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
 from kvlocks.compaction.serve import to_cache
-from kvlocks.integrations.hybrid import layer_windows
+from kvlocks.hybrid import layer_windows
 from kvlocks_lab.eval.metrics import top1_agreement
 from kvlocks_lab.eval.tasks import generate, score
 

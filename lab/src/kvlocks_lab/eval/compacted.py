@@ -229,7 +229,7 @@ def compaction_stats(cache, prefix, elem_size: int) -> dict:
 def compacted_selector_stats(cache, prefix, elem_size: int) -> dict:
     """Bytes read per decode step and layer by a selector over a compacted cache, against ``full``.
 
-    The cache's own accounting (:class:`~kvlocks.integrations.stats.DecodeStats`) counts what the
+    The cache's own accounting (:class:`~kvlocks.integrations.hf.stats.DecodeStats`) counts what the
     selector read (its summaries and the selected pages of the t kept entries plus new tokens);
     ``full`` attends the uncompacted context instead: T + the tokens decoded so far.
     """

@@ -20,7 +20,7 @@ import torch
 from kvlocks.config import LocksConfig
 from kvlocks_lab.eval.compacted import CompactionSettings
 from kvlocks_lab.eval.continuation import ContinuationRecord
-from kvlocks.integrations.hf_decode import step
+from kvlocks.integrations.hf.decode import step
 from kvlocks_lab.eval.methods import parse_method
 from kvlocks_lab.eval.metrics import kl_divergence
 from kvlocks_lab.eval.runner import make_compactions, todo_of

@@ -3,7 +3,7 @@
 ``python -m kvlocks_lab.eval.profile --device cuda --dtype bfloat16 --length 4096 --out prof.json``
 
 One record is prefilled once; every method decodes ``steps`` tokens from a fork of that cache
-through the same :func:`kvlocks.integrations.hf_decode.step` the runner uses. Per method: wall time per
+through the same :func:`kvlocks.integrations.hf.decode.step` the runner uses. Per method: wall time per
 step (after warm-up, synchronised on CUDA), host synchronisations per step (CUDA only, counted
 with ``torch.cuda.set_sync_debug_mode``), and the top operators by self CPU time (the cost of
 the Python + launch path, which dominates a 135M model at batch 1) from ``torch.profiler``.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.integrations.hf_decode import prefill, step
+from kvlocks.integrations.hf.decode import prefill, step
 from kvlocks.integrations.hf import LocksCache
 
 

@@ -25,7 +25,7 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks_lab.eval.compacted import CompactionSettings, RecordCompactions
-from kvlocks.integrations.hf_decode import step
+from kvlocks.integrations.hf.decode import step
 from kvlocks_lab.eval.methods import parse_method, parse_methods
 from kvlocks_lab.eval.metrics import exact_agreement, kl_divergence, prefix_agreement, top1_agreement
 from kvlocks_lab.eval.shared_prefill import SharedPrefill, fork_cache

@@ -19,7 +19,7 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks_lab.eval.compacted import RecordCompactions, compacted_selector_stats, compaction_stats
-from kvlocks.integrations.hf_decode import prefill
+from kvlocks.integrations.hf.decode import prefill
 from kvlocks_lab.eval.methods import MethodSpec
 from kvlocks.integrations.hf import LocksCache
 

@@ -1,31 +1,19 @@
-"""Hugging Face transformers integration: a paged LOCKS cache and an attention function.
-
-Usage::
-
-    model, tok = kvlocks.models.load("smollm2-135m")        # registers and enables "kvlocks"
-    cache = LocksCache(model.config, method="locks", config=LocksConfig(budget=256))
-    model.generate(**inputs, **cache_kwargs(model, cache))
-
-The attention function takes the LOCKS path only for single-token decode steps whose keys come
-from a :class:`LocksCache` with a sparse method; everything else (prefill, other caches) runs
-transformers' SDPA unchanged. Nothing is registered at import time: :func:`register` does it.
+"""The paged LOCKS cache for Hugging Face transformers: :class:`LocksCache` and its layers.
 
 Backends: on CUDA tensors the ``locks`` selector with a configuration the kernels support
 (:func:`kernel_path`: :func:`kvlocks.kernels_support.kernel_support`) runs the Triton kernels
 (summary build, scoring, combine, selection, paged attention); on CPU tensors the decode step
-runs :mod:`kvlocks.integrations.hf_cpu` (the references' pages and attention in fewer, larger
+runs :mod:`kvlocks.integrations.hf.cpu` (the references' pages and attention in fewer, larger
 operations); everything else runs the PyTorch references. ``LocksCache(..., backend="torch" |
 "triton")`` forces the references or the kernels (tests run ``"triton"`` on the CPU through
 ``TRITON_INTERPRET=1``). Left-padded batches (a token mask) always take the references: the
 kernels' paged layout and the CPU path have no padding; other head dims than the kernels' 64 and
 128 (Gemma 3's 256) take the CPU path or the references. Hybrid models: sliding-window layers keep
-transformers' own window attention, only global layers are sparse (:mod:`.hybrid`).
+transformers' own window attention, only global layers are sparse (:mod:`.window`).
 """
-
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -33,9 +21,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
 from kvlocks.config import LocksConfig
-from kvlocks.integrations.hf_cpu import ScoringBuffers, cpu_decode
-from kvlocks.integrations.hybrid import WindowLayer, check_positions, check_sparse, layer_windows
-from kvlocks.integrations.stats import DecodeStats
+from kvlocks.integrations.hf.cpu import ScoringBuffers, cpu_decode
+from kvlocks.hybrid import layer_windows
+from kvlocks.integrations.hf.window import WindowLayer, check_positions, check_sparse
+from kvlocks.integrations.hf.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
 from kvlocks.positions import position_limit
 from kvlocks.selection.hierarchy import DEFAULT_GROUPS, HIER_METHOD
@@ -44,7 +33,6 @@ from kvlocks.plan import BACKENDS, resolve_backend
 from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
-ATTN_NAME = "kvlocks"
 METHODS = ("full", RERANK_METHOD, HIER_METHOD)  # plus every registered selector name, see method_names()
 
 
@@ -71,7 +59,7 @@ class _LayerStore(PagedLayerStore):
     def __init__(self, config: LocksConfig, *, build: bool, owner: "LocksCache") -> None:
         super().__init__(config, build=build)
         self.owner = owner
-        self.scoring = ScoringBuffers()  # the CPU path's dequantized summaries (hf_cpu)
+        self.scoring = ScoringBuffers()  # the CPU path's dequantized summaries (.cpu)
 
     def truncate(self, length: int) -> None:
         super().truncate(length)
@@ -259,7 +247,7 @@ class LocksCache(Cache):
         selector instance (e.g. ``LokiSelector(calibration)``, ``QuestSelector(bits=8)``)
     config : LocksConfig
     backend : ``"torch"`` (the references), ``"triton"`` or None (Triton for CUDA tensors when
-        :func:`kernel_path` holds, :mod:`kvlocks.integrations.hf_cpu` for CPU tensors, the
+        :func:`kernel_path` holds, :mod:`kvlocks.integrations.hf.cpu` for CPU tensors, the
         references otherwise)
     """
 
@@ -353,37 +341,3 @@ class LocksCache(Cache):
             sel += hkv * exact * s * d * elem
         self.stats.add(layer, kind="dense" if self.selector is None else "sparse", pages=pages, tokens=tokens,
                        context=n, selection_bytes=sel, kv_bytes=2.0 * hkv * tokens * d * elem, full_bytes=full)
-
-
-def kvlocks_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention function registered as ``"kvlocks"`` in transformers' ``AttentionInterface``."""
-    from kvlocks.integrations.sdpa import dense_attention
-
-    layer = getattr(key, "_kvlocks_layer", None)
-    if layer is not None and query.shape[2] == 1:
-        if layer.sparse:
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return layer.decode(query, key, value, attention_mask, scale), None
-        layer.count_dense(key)  # full on a global layer, or a sliding layer's window
-    return dense_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def register() -> None:
-    """Register the ``"kvlocks"`` attention (and its SDPA-style mask). Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_NAME, kvlocks_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-
-
-def enable(model) -> None:
-    """Switch a loaded model's attention to ``"kvlocks"`` (SDPA unless a LOCKS cache is used)."""
-    register()
-    model.set_attn_implementation(ATTN_NAME)
-
-
-def cache_kwargs(model, cache: Cache) -> dict:
-    """The keyword ``generate``/``forward`` take the cache under (``cache`` in new transformers)."""
-    params = inspect.signature(model.forward).parameters
-    return {"cache": cache} if "cache" in params else {"past_key_values": cache}

@@ -1,5 +1,5 @@
 """The only modules that touch version-specific vLLM internals are this one and, for the CUDA
-backend, :mod:`kvlocks.integrations.vllm.cuda_compat`.
+backend, :mod:`kvlocks.integrations.vllm.cuda.compat`.
 
 Everything the CPU LOCKS backend and the KV connector need from vLLM goes through here: the stock
 CPU backend classes to subclass, the backend registry, the layout of the CPU paged KV cache, and the fields of the CPU
@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-BACKEND_PATH = "kvlocks.integrations.vllm.backend.LocksCPUAttentionBackend"
+BACKEND_PATH = "kvlocks.integrations.vllm.cpu.backend.LocksCPUAttentionBackend"
 
 
 class VllmCompatError(RuntimeError):
@@ -239,7 +239,7 @@ def layer_index(layer) -> int | None:
     return layer_number(getattr(layer, "layer_name", "") or "")
 
 
-# ---------------------------------------------------------------- KV connector (connector.py)
+# ---------------------------------------------------------------- KV connector (connector/kv_connector.py)
 
 
 def connector_base_classes():

@@ -3,8 +3,8 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers), maybe
 several times. It is idempotent, initialises no device and imports no backend code: when
 ``KVLOCKS_VLLM_CONFIG`` holds a :class:`~kvlocks.config.LocksConfig` JSON (``config.to_json()``)
-it points vLLM's ``CPU_ATTN`` registry entry at :mod:`kvlocks.integrations.vllm.backend` on
-the CPU platform, or the ``FLASH_ATTN`` entry at :mod:`kvlocks.integrations.vllm.cuda_backend`
+it points vLLM's ``CPU_ATTN`` registry entry at :mod:`kvlocks.integrations.vllm.cpu.backend` on
+the CPU platform, or the ``FLASH_ATTN`` entry at :mod:`kvlocks.integrations.vllm.cuda.backend`
 on CUDA; otherwise it does nothing at all.
 
 :func:`enable` is the Python way: it writes the variable (so the engine processes vLLM spawns see
@@ -42,7 +42,8 @@ def register() -> None:
     config = current_config()
     if config is None or _registered:
         return
-    from kvlocks.integrations.vllm import compat, cuda_compat
+    from kvlocks.integrations.vllm import compat
+    from kvlocks.integrations.vllm.cuda import compat as cuda_compat
     from kvlocks.kernels_support import check_config, check_plan
 
     check_config(config, None, backend="torch", owner=ENV_VAR)  # the summary store's format, naming the fields

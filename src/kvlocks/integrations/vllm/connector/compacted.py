@@ -140,7 +140,7 @@ def check_request(name, prompt: list[int] | None, cache_dir: str | None, served:
                          f"t={t} placeholder ids followed by at least one new token")
     if list(prompt[:t]) != placeholder_ids(header, vocab_size):
         raise ValueError(f"{header.path}: the prompt does not start with this file's {t} placeholder ids "
-                         "(kvlocks.integrations.vllm.compacted.compacted_request builds them)")
+                         "(kvlocks.integrations.vllm.connector.compacted.compacted_request builds them)")
     return header
 
 

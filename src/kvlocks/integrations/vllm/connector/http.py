@@ -9,7 +9,7 @@ placeholder ids) in the API server before the request reaches the engine, and an
 the reason::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvlocksConnector", ...}' \\
-        --middleware kvlocks.integrations.vllm.http.check_compacted_requests
+        --middleware kvlocks.integrations.vllm.connector.http.check_compacted_requests
 
 A file whose header is fine but whose data is not (tampered after saving, NaN) is still refused
 by the worker's full load, as before (HTTP 500). Requests without the parameter pass untouched.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from kvlocks.integrations.vllm.compacted import PARAM, check_request, served_model_info
+from kvlocks.integrations.vllm.connector.compacted import PARAM, check_request, served_model_info
 
 _SERVED: dict[int, tuple] = {}  # id(vllm_config) -> (cache_dir, ModelInfo, vocab size)
 

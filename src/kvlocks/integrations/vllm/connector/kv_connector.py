@@ -3,7 +3,7 @@
 Load it by module path (no registration, nothing patched)::
 
     LLM(model=DIR, kv_transfer_config={"kv_connector": "KvlocksConnector",
-        "kv_connector_module_path": "kvlocks.integrations.vllm.connector", "kv_role": "kv_consumer",
+        "kv_connector_module_path": "kvlocks.integrations.vllm.connector.kv_connector", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"cache_dir": "/srv/caches"}})   # cache_dir optional
 
 A request names its file in ``kv_transfer_params`` (``{"kvlocks_cache": NAME}``) and starts its
@@ -41,7 +41,7 @@ from safetensors import safe_open
 from kvlocks import env
 from kvlocks.compaction import cachefile
 from kvlocks.integrations.vllm import compat
-from kvlocks.integrations.vllm.compacted import (
+from kvlocks.integrations.vllm.connector.compacted import (
     PARAM,
     FileHeader,
     check_against,
@@ -50,7 +50,7 @@ from kvlocks.integrations.vllm.compacted import (
     read_header,
     served_model_info,
 )
-from kvlocks.integrations.vllm.rope import key_shifter
+from kvlocks.integrations.vllm.connector.rope import key_shifter
 
 log = logging.getLogger(__name__)
 

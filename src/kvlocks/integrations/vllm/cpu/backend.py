@@ -5,7 +5,7 @@ prefill, encoder attention, the cache writes). For each request whose query at t
 token (a decode step), the LOCKS path:
 
 1. makes sure every full 16-token page of the sequence has a valid summary in the layer's
-   :class:`~kvlocks.integrations.vllm.store.BlockSummaryStore` (building, from the paged cache,
+   :class:`~kvlocks.integrations.vllm.cpu.store.BlockSummaryStore` (building, from the paged cache,
    the pages that filled since the last step, at the end of prefill, or whose block was reused);
 2. scores the pages from their summaries and selects sink + recent + top pages with kvlocks'
    reference functions (:func:`~kvlocks.selection.choose_pages`, the ``locks`` selector), exactly
@@ -36,7 +36,7 @@ from kvlocks import env
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.integrations.vllm import compat
 from kvlocks.integrations.vllm.plugin import current_config
-from kvlocks.integrations.vllm.store import BlockSummaryStore
+from kvlocks.integrations.vllm.cpu.store import BlockSummaryStore
 from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
 
 log = logging.getLogger(__name__)

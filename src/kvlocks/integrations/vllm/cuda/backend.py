@@ -4,7 +4,7 @@ What runs where, per attention layer and step:
 
 - the metadata builder (:class:`LocksFlashAttentionMetadataBuilder`, on the host, every step, also
   before each CUDA-graph replay) marks the *LOCKS rows* (one query token, pages beyond the budget;
-  :func:`~kvlocks.integrations.vllm.cuda_step.step_lens`) in persistent device buffers, gives
+  :func:`~kvlocks.integrations.vllm.cuda.step.step_lens`) in persistent device buffers, gives
   FlashAttention those rows' key length as one token, binds each layer's summary store to its KV
   cache and prepares the plans the batch needs;
 - ``do_kv_cache_update``: vLLM's cache write, then the pages written get a new write generation;
@@ -22,7 +22,7 @@ CUDA graphs (FlashAttention's own FA3 support is ``ALWAYS``; with this backend m
 piecewise graphs, attention eagerly between them, as in vLLM's default FULL_AND_PIECEWISE mode).
 The captured path does no host sync and (debug checks off) allocates nothing: fixed-grid kernels
 over buffers made before capture (stores in the builder, plans per batch size in
-:class:`~kvlocks.integrations.vllm.cuda_step.PlanPool`); vLLM's eager warm-up run of each batch size
+:class:`~kvlocks.integrations.vllm.cuda.step.PlanPool`); vLLM's eager warm-up run of each batch size
 runs the same launches first, so Triton compiles and autotunes outside capture.
 
 Blocks: the backend asks vLLM for kernel blocks of ``page_size`` (16) tokens; any
@@ -42,10 +42,10 @@ import weakref
 
 import torch
 
-from kvlocks.integrations.vllm import cuda_compat
+from kvlocks.integrations.vllm.cuda import compat as cuda_compat
 from kvlocks.integrations.vllm.compat import decoder_attention_type, layer_number
-from kvlocks.integrations.vllm.cuda_step import LocksDecoder, LocksStep, PlanPool, step_lens
-from kvlocks.integrations.vllm.cuda_store import COUNTERS
+from kvlocks.integrations.vllm.cuda.step import LocksDecoder, LocksStep, PlanPool, step_lens
+from kvlocks.integrations.vllm.cuda.store import COUNTERS
 from kvlocks.integrations.vllm.plugin import current_config
 from kvlocks.kernels_support import KERNEL_HEAD_DIMS, KERNEL_PAGE_SIZE
 

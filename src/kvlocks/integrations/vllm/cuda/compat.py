@@ -30,7 +30,7 @@ from kvlocks.integrations.vllm.compat import VllmCompatError, vllm_version
 log = logging.getLogger(__name__)
 
 TESTED_CUDA_VLLM_VERSIONS = ("0.26.0",)
-CUDA_BACKEND_PATH = "kvlocks.integrations.vllm.cuda_backend.LocksFlashAttentionBackend"
+CUDA_BACKEND_PATH = "kvlocks.integrations.vllm.cuda.backend.LocksFlashAttentionBackend"
 
 
 def stock_flash_classes():

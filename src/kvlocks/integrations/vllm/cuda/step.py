@@ -1,5 +1,5 @@
 """One step of the LOCKS CUDA backend, apart from vLLM's classes: which rows decode sparsely, the
-plans, and the eager / captured decode paths (see :mod:`kvlocks.integrations.vllm.cuda_backend`).
+plans, and the eager / captured decode paths (see :mod:`kvlocks.integrations.vllm.cuda.backend`).
 
 Rows. A row is a *LOCKS row* when its query is one token (a decode step) and its pages do not all
 fit the budget (``ceil(seq_len / S) > k``). In a batch of single-token decodes only (the batches
@@ -32,7 +32,7 @@ import torch
 from kvlocks import env
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.vllm.compat import VllmCompatError
-from kvlocks.integrations.vllm.cuda_store import CudaSummaryStore
+from kvlocks.integrations.vllm.cuda.store import CudaSummaryStore
 from kvlocks.plan import DecodePlan, paged_score, paged_select
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """LOCKS summaries beside one layer's FlashAttention paged cache, with device-side validity tags.
 
 A vLLM kernel block is a LOCKS page (block_size 16 = page_size), so the physical page id of a
-summary is the block id. The tags are those of :mod:`kvlocks.integrations.vllm.store`, kept on the
+summary is the block id. The tags are those of :mod:`kvlocks.integrations.vllm.cpu.store`, kept on the
 device so that the decode path never reads them on the host:
 
 - ``write_gen[p]`` int32: bumped by every cache write to block ``p`` (:meth:`note_writes`, from the
