@@ -4,8 +4,6 @@ Gemma 3 interleaves five sliding-window layers (a token attends the last ``slidi
 positions, itself included) with one global (``full_attention``) layer. The layer types are read
 as transformers reads them: ``layer_types`` of the text config, else every layer is
 ``sliding_attention`` when ``sliding_window`` is set (Mistral) and ``full_attention`` otherwise.
-Read from a model's config alone (no transformers import), so the Hugging Face cache, compaction
-and its file format share it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""The ``"kvlocks"`` attention function for transformers' ``AttentionInterface``, and its switches.
-
-Decode steps whose keys come from a :class:`~kvlocks.integrations.hf.cache.LocksCache` layer run
-that layer's decode (sparse for a LOCKS method, counted dense otherwise); everything else (prefill,
-other caches) runs transformers' SDPA unchanged (:mod:`.sdpa`). Nothing is registered at import
-time: :func:`register` does it.
-"""
+"""The ``"kvlocks"`` attention function (a LocksCache layer's decode step, else SDPA) and its switches."""
 
 from __future__ import annotations
 

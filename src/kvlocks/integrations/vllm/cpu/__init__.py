@@ -1,2 +1,1 @@
-"""The LOCKS attention backend for vLLM on CPU (:mod:`.backend`) and its summary store by physical
-block (:mod:`.store`). Importing this package imports nothing from vLLM."""
+"""The LOCKS attention backend for vLLM on CPU and its summary store by physical block."""
