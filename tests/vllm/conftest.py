@@ -2,6 +2,10 @@
 
 The check imports ``vllm.LLM``, not just ``vllm``: pytest puts ``tests/`` on ``sys.path`` for this
 directory, where ``import vllm`` alone would find ``tests/vllm`` itself as a namespace package.
+
+With ``KVLOCKS_INSTALLED_WHEEL=1`` (scripts/test_vllm.sh sets it: .venv-vllm holds the kvlocks and
+kvlocks-lab wheels) the run stops at once unless both are imported from this interpreter's
+site-packages rather than from the checkout; without it any install counts (an editable one too).
 """
 
 try:  # a missing or broken vLLM install (e.g. mismatched torchvision) counts as absent
@@ -11,6 +15,10 @@ except Exception:  # noqa: BLE001
 
 
 import pytest  # noqa: E402
+from installed import check_installed  # noqa: E402
+
+if "collect_ignore_glob" not in globals():
+    check_installed()
 
 
 @pytest.fixture(scope="session")
