@@ -5,12 +5,17 @@ in a block table ``[B, max_pages]``, summaries in a :class:`~kvlocks.cache.layou
 per physical page. (The per-sequence reference functions with the same steps are
 :func:`kvlocks.score_pages` and :func:`kvlocks.select_pages`.)
 
-Every function takes ``backend="torch" | "triton" | None``; None picks Triton for CUDA tensors and
-the PyTorch references otherwise. The torch backend gathers each sequence's pages into the
-reference layout and calls the reference functions (the spec), one sequence at a time: it is
-for the CPU and for checking, not for speed. ``options``: :class:`~kvlocks.config.KernelOptions`
-for the Triton kernels (None: the defaults). What the Triton backend supports:
+Every function takes ``backend="torch" | "cpu" | "triton" | None`` (:data:`PLAN_BACKENDS`); None
+picks Triton for CUDA tensors and the torch backend otherwise. The torch backend gathers each
+sequence's pages into the reference layout and calls the reference functions (the spec), one
+sequence at a time: it is for checking, not for speed. The ``cpu`` backend runs the same steps
+for the whole batch in a few large operations (:mod:`kvlocks.scoring.cpu`,
+:mod:`kvlocks.selection.cpu`, :mod:`kvlocks.attention.cpu`); it reads the host freely and
+allocates, so it is for CPU tensors. ``options``: :class:`~kvlocks.config.KernelOptions` for the
+Triton kernels (None: the defaults). What the Triton backend supports:
 :func:`kvlocks.kernels_support.kernel_support`.
+
+Which rows of a batch decode sparsely (:func:`sparse_rows`) is decided here, once, for every path.
 """
 
 from __future__ import annotations
@@ -23,19 +28,33 @@ from kvlocks._checks import check_out
 from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
 from kvlocks.cache.layout import SummaryStore, paged_to_token_major
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
-from kvlocks.kernels_support import BACKENDS, check_config, check_plan
+from kvlocks.kernels_support import check_config, check_plan
 from kvlocks.scoring.reference import combine_group, score_pages_from_centroids, score_pages_from_summaries
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.build import build_summaries
+
+
+PLAN_BACKENDS = ("torch", "cpu", "triton")
 
 
 def resolve_backend(backend: str | None, device) -> str:
     """``"triton"`` for CUDA tensors, ``"torch"`` otherwise, unless given explicitly."""
     if backend is None:
         return "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: allowed {BACKENDS} or None")
+    if backend not in PLAN_BACKENDS:
+        raise ValueError(f"backend={backend!r}: allowed {PLAN_BACKENDS} or None")
     return backend
+
+
+def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, config: LocksConfig) -> torch.Tensor:
+    """bool ``[B]``: the rows that decode sparsely, a single query token (a decode step) over more
+    pages than a step attends (``ceil(seq_lens / S) > k``); the others read every page, which is
+    what the selection would keep, so any dense kernel serves them.
+
+    query_lens, seq_lens : int ``[B]`` (tokens queried at this step; tokens in the sequence)
+    """
+    pages = (seq_lens.long() + config.page_size - 1) // config.page_size
+    return (query_lens == 1) & (pages > config.pages_per_step)
 
 
 def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scale=None, combine="mean_share",
@@ -44,8 +63,12 @@ def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scal
     ranking ``[B, Hkv, max_pages]`` (float32; entries past each sequence's full pages undefined);
     from the centroids alone with ``centroid`` (Eq. 4 at rank 0). ``workspace``: a
     :class:`~kvlocks.scoring.triton_combine.ScoreWorkspace` (Triton; for ``centroid`` one sized by
-    :func:`kvlocks.scoring.triton_centroid.centroid_workspace`)."""
-    if resolve_backend(backend, queries.device) == "triton":
+    :func:`kvlocks.scoring.triton_centroid.centroid_workspace`). ``summaries``: a
+    :class:`~kvlocks.cache.layout.SummaryStore` read through ``block_table``; for the ``cpu``
+    backend also a :class:`~kvlocks.scoring.cpu.ScoringBuffers` (row ``b * Hkv + h`` holds the pages
+    of sequence b, head h in logical order; ``block_table`` is not read for it)."""
+    backend = resolve_backend(backend, queries.device)
+    if backend == "triton":
         if centroid:
             from kvlocks.scoring.triton_centroid import score_pages_centroid
 
@@ -55,6 +78,8 @@ def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scal
 
         return score_pages_paged(queries, summaries, block_table, seq_lens, scale=scale, combine=combine,
                                  workspace=workspace, options=options)
+    if backend == "cpu":
+        return _cpu_score(queries, summaries, block_table, seq_lens, scale=scale, combine=combine, centroid=centroid)
     bsz, hq, d = queries.shape
     hkv = summaries.num_kv_heads
     g, max_pages, s = hq // hkv, block_table.shape[1], summaries.page_size
@@ -74,11 +99,47 @@ def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scal
     return scores, lse, ranking
 
 
+def _cpu_score(queries, summaries, block_table, seq_lens, *, scale, combine, centroid):
+    """The ``cpu`` backend of :func:`paged_score` (same outputs; one batched product for the batch)."""
+    from kvlocks.scoring.cpu import ScoringBuffers, gather_buffers, layout_scores
+
+    bsz, hq, d = queries.shape
+    s, width = (summaries.c.shape[3] if isinstance(summaries, ScoringBuffers) else summaries.page_size), \
+        block_table.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    full = seq_lens.long() // s  # [B]
+    pmax = int(full.max()) if bsz else 0
+    if isinstance(summaries, ScoringBuffers):
+        if pmax > summaries.pages:
+            raise ValueError(f"ScoringBuffers hold {summaries.pages} pages, the longest row has {pmax} full pages: "
+                             "sync them with the summaries first")
+        w, c = summaries.w[:, :pmax], summaries.c[:, :pmax]
+    else:
+        w, c = gather_buffers(summaries, block_table, pmax)
+    hkv = w.shape[0] // bsz
+    g = hq // hkv
+    sc = layout_scores(queries.reshape(bsz * hkv, g, d), w, c, scale, centroid=centroid).view(bsz, hkv, g, pmax)
+    scores = torch.full((bsz, hkv, g, width), float("-inf"), device=queries.device)
+    scores[..., :pmax] = sc.masked_fill(torch.arange(pmax, device=queries.device) >= full.view(bsz, 1, 1, 1),
+                                        float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G]
+    return scores, lse, combine_group(scores, combine)
+
+
 def paged_select(ranking, seq_lens, *, page_size, k, sink_pages=1, recent_pages=1, sink_start=None, backend=None,
                  workspace=None):
     """int32 ``[B, Hkv, k]`` ascending logical page ids per (sequence, KV head), -1 padded.
     ``workspace``: a :class:`~kvlocks.selection.triton.SelectWorkspace` (Triton)."""
-    if resolve_backend(backend, ranking.device) == "triton":
+    backend = resolve_backend(backend, ranking.device)
+    if backend == "cpu" and sink_start is None:
+        from kvlocks.selection.cpu import select_rows
+
+        bsz, hkv, width = ranking.shape
+        lens = seq_lens.long().repeat_interleave(hkv)  # [B*Hkv]
+        ids = select_rows(ranking.reshape(bsz * hkv, width), lens // page_size, (lens + page_size - 1) // page_size,
+                          k, sink_pages=sink_pages, recent_pages=recent_pages)
+        return ids.view(bsz, hkv, k)
+    if backend == "triton":
         from kvlocks.selection.triton import select_pages_paged
 
         return select_pages_paged(ranking, seq_lens, page_size=page_size, k=k, sink_pages=sink_pages,
@@ -102,7 +163,13 @@ def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *,
     ``[B, Hq, D]`` tensor to write the result into (last dim contiguous)."""
     if out is not None:
         check_out(out, queries)
-    if resolve_backend(backend, queries.device) == "triton":
+    backend = resolve_backend(backend, queries.device)
+    if backend == "cpu":
+        from kvlocks.attention.cpu import paged_decode as cpu_decode
+
+        scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else float(scale)
+        return cpu_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, scale=scale, out=out)
+    if backend == "triton":
         from kvlocks.attention.triton import paged_decode as tri
 
         return tri(queries, k_cache, v_cache, block_table, seq_lens, page_list, scale=scale, workspace=workspace,
@@ -127,7 +194,7 @@ def paged_build(k_cache, summaries: SummaryStore, page_ids, config: LocksConfig,
                 options: KernelOptions | None = None):
     """Build the summaries of physical pages ``page_ids [N]`` (all KV heads) into ``summaries``."""
     backend = resolve_backend(backend, k_cache.device)
-    check_config(config, k_cache.shape[-1], backend=backend)
+    check_config(config, k_cache.shape[-1], backend="triton" if backend == "triton" else "torch")
     if backend == "triton":
         from kvlocks.summary.triton import build_pages
 
@@ -158,22 +225,28 @@ def paged_build_new(k_cache, summaries: SummaryStore, block_table, seq_lens, con
 class DecodePlan:
     """Buffers and launch sizes for one decode step of a batch: plan once, ``run`` per layer.
 
-    ``run`` scores every full page (Eq. 4, or with ``config.rerank_scores == "centroid"`` from the
-    centroids alone, then the exact re-rank of the candidates), selects ``k = config.pages_per_step``
-    pages per (sequence, KV head) and attends them, writing into buffers owned by the plan: no allocation
-    and no host synchronisation, so a whole step can be captured in a CUDA graph (Triton backend).
-    Triton backend: the score kernel, then the combine and the selection fused in one launch
-    (:mod:`kvlocks.selection.fused`), then the split-KV attention and its merge. The fused
-    selection was timed against the combine pass and the two-launch selection on the H200
-    (GLM-4-9B shape, batch 1, whole-model TPOT): -1% to -3% from 32K to 1M, +0.8% (noise) at 16K
-    (docs/benchmarks.md).
+    This is the one composition of a LOCKS decode step (score -> select -> attend) that every path
+    runs: the engine, both vLLM backends and the Hugging Face cache (through a paged view of its
+    store). ``run`` scores every full page (Eq. 4, or with ``config.rerank_scores == "centroid"``
+    from the centroids alone, then the exact re-rank of the candidates), selects
+    ``k = config.pages_per_step`` pages per (sequence, KV head) and attends them; ``run_ranked``
+    does the select -> attend part from a ranking computed elsewhere (a baseline selector's scores).
+    Triton backend: the buffers are owned by the plan, with no allocation and no host
+    synchronisation, so a whole step can be captured in a CUDA graph; the score kernel, then the
+    combine and the selection fused in one launch (:mod:`kvlocks.selection.fused`), then the
+    split-KV attention and its merge. The fused selection was timed against the combine pass and
+    the two-launch selection on the H200 (GLM-4-9B shape, batch 1, whole-model TPOT): -1% to -3%
+    from 32K to 1M, +0.8% (noise) at 16K (docs/benchmarks.md). Backends ``torch`` (the references,
+    per sequence: the spec) and ``cpu`` (batched PyTorch operations for CPU tensors) allocate.
 
     Parameters
     ----------
     batch, num_kv_heads, group, head_dim : B, Hkv, G, D
     max_pages : width of the block table (pages per sequence at most)
-    config : LocksConfig (page_size, budget, sink/recent pages, combine rule; int4/int8 summaries)
+    config : LocksConfig (page_size, budget, sink/recent pages, combine rule; int4/int8 summaries
+        except on the ``cpu`` backend with :class:`~kvlocks.scoring.cpu.ScoringBuffers`)
     dtype, device : of the queries and the K/V cache
+    backend : one of :data:`PLAN_BACKENDS` or None (:func:`resolve_backend`)
     options : KernelOptions (None: the defaults); the attention's untuned launch is
         ``options.dense_launches[0]`` (:attr:`attend_ws`, which a tuner may replace)
     """
@@ -181,11 +254,13 @@ class DecodePlan:
     def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device,
                  scale=None, backend=None, options: KernelOptions | None = None):
         self.config, self.backend = config, resolve_backend(backend, device)
-        check_config(config, head_dim, backend=self.backend)
+        if self.backend != "cpu":  # the cpu backend also scores summaries of any bit widths
+            check_config(config, head_dim, backend=self.backend)
         check_plan(config)
         self.options = options or default_kernel_options()
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.k = config.pages_per_step
+        self.pages = None
         self.score_ws = self.select_ws = self.attend_ws = self.rerank_ws = self.exact_ws = None
         if self.backend == "triton":
             from kvlocks.attention.triton import attention_workspace
@@ -210,23 +285,29 @@ class DecodePlan:
                 self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
                 self.exact_ws = rerank_workspace(batch, num_kv_heads, group, self.k_cand, self.k, device)
 
-    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None):
-        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``.
-        ``out``: where to write the attention (``[B, Hq, D]``, last dim contiguous; default a plan buffer)."""
+    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None, *, summary_table=None):
+        """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``
+        (int32 ``[B, Hkv, k]`` logical pages, -1 padded).
+
+        ``out``: where to write the attention (``[B, Hq, D]``, last dim contiguous; default a plan
+        buffer). ``summary_table``: int32 ``[B, >= max full pages]``, the physical summary page of
+        each logical page where the summaries are numbered apart from the K/V pages (default
+        ``block_table``)."""
         c, be, opts = self.config, self.backend, self.options
         centroid = c.rerank_scores == "centroid"
+        table_s = block_table if summary_table is None else summary_table
         if be == "triton":  # score kernel, then combine + selection fused in one launch
             from kvlocks.selection.fused import rank_and_select
 
             if centroid:
                 from kvlocks.scoring.triton_centroid import score_pages_centroid
 
-                score_pages_centroid(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                score_pages_centroid(queries, summaries, table_s, seq_lens, scale=self.scale, combine=c.combine,
                                      workspace=self.score_ws, rank=False)
             else:
                 from kvlocks.scoring.triton import score_pages_paged
 
-                score_pages_paged(queries, summaries, block_table, seq_lens, scale=self.scale, combine=c.combine,
+                score_pages_paged(queries, summaries, table_s, seq_lens, scale=self.scale, combine=c.combine,
                                   workspace=self.score_ws, rank=False, options=opts)
             if c.rerank:  # the same launch picks the candidates; their exact masses pick the pages
                 from kvlocks.selection.triton_rerank import rerank_pages
@@ -241,14 +322,27 @@ class DecodePlan:
                 self.pages = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k,
                                              combine=c.combine, sink_pages=c.sink_pages,
                                              recent_pages=c.recent_pages, workspace=self.select_ws, options=opts)
-        else:
-            scores, _, ranking = paged_score(queries, summaries, block_table, seq_lens, scale=self.scale,
-                                             combine=c.combine, backend=be, centroid=centroid)
-            if c.rerank:
-                from kvlocks.selection.rerank_paged import paged_rerank
+            return self._attend(queries, k_cache, v_cache, block_table, seq_lens, out)
+        scores, _, ranking = paged_score(queries, summaries, table_s, seq_lens, scale=self.scale,
+                                         combine=c.combine, backend=be, centroid=centroid)
+        return self.run_ranked(queries, k_cache, v_cache, block_table, seq_lens, ranking, scores=scores, out=out)
 
-                ranking = paged_rerank(queries, k_cache, block_table, seq_lens, scores, c, scale=self.scale)
-            self.pages = paged_select(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
-                                      recent_pages=c.recent_pages, backend=be)
+    def run_ranked(self, queries, k_cache, v_cache, block_table, seq_lens, ranking, *, scores=None, out=None):
+        """Select -> attend from a ranking computed elsewhere (e.g. a baseline selector's scores).
+
+        ranking float32 ``[B, Hkv, W]`` (the combined score of each full page; entries past a row's
+        full pages are not read); scores float32 ``[B, Hkv, G, W]`` or None: the per-head estimates
+        the exact re-rank (``config.rerank``) starts from (None: no re-rank). Same outputs as
+        :meth:`run`; allocates on every backend (not for CUDA-graph capture)."""
+        c = self.config
+        if c.rerank and scores is not None:
+            from kvlocks.selection.rerank_paged import paged_rerank
+
+            ranking = paged_rerank(queries, k_cache, block_table, seq_lens, scores, c, scale=self.scale)
+        self.pages = paged_select(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
+                                  recent_pages=c.recent_pages, backend=self.backend)
+        return self._attend(queries, k_cache, v_cache, block_table, seq_lens, out)
+
+    def _attend(self, queries, k_cache, v_cache, block_table, seq_lens, out):
         return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
-                            backend=be, workspace=self.attend_ws, options=opts, out=out)
+                            backend=self.backend, workspace=self.attend_ws, options=self.options, out=out)

@@ -1,0 +1,145 @@
+"""Every path of a decode step selects the pages of the plan's ``torch`` backend (the spec).
+
+The ``torch`` backend of :class:`kvlocks.plan.DecodePlan` runs, per sequence, the reference
+functions :mod:`kvlocks.api` is built on; here the ``cpu`` and ``triton`` backends (the latter
+through the Triton interpreter at small sizes), the precomputed-ranking entry (``run_ranked``),
+the Hugging Face cache on CPU and through its kernel path, and the sparse-row rule are checked
+against it for the flat, re-rank and centroid modes.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvlocks.cache.layout import SummaryStore  # noqa: E402
+from kvlocks.config import LocksConfig  # noqa: E402
+from kvlocks.plan import DecodePlan, paged_build, paged_score, sparse_rows  # noqa: E402
+from kvlocks.scoring.cpu import ScoringBuffers  # noqa: E402
+from kvlocks.scoring.reference import combine_group, score_pages_from_summaries  # noqa: E402
+from kvlocks.selection.topk import select_top_pages  # noqa: E402
+
+S = 16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+MODES = {
+    "flat": {},
+    "rerank": {"rerank": 2},
+    "centroid": {"rerank": 2, "rerank_min": 3, "rerank_scores": "centroid"},
+}
+
+
+def paged(lens, hkv, g, d, *, seed=0, extra=3):
+    """Random K/V in a shuffled paged cache ``[num_pages, S, Hkv, D]``, block table, queries."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // S) for n in lens]
+    num_pages = sum(need) + extra
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for b, p in enumerate(need):
+        table[b, :p] = perm[at : at + p].to(torch.int32)
+        at += p
+    k = torch.randn(num_pages, S, hkv, d, generator=gen) + 0.7 * torch.randn(num_pages, 1, hkv, d, generator=gen)
+    v = torch.randn(num_pages, S, hkv, d, generator=gen)
+    q = torch.randn(len(lens), hkv * g, d, generator=gen) * 1.5
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def store_of(k, table, seq, cfg):
+    store = SummaryStore.empty(k.shape[0], k.shape[2], k.shape[3], cfg)
+    full = torch.cat([table[b, : int(seq[b]) // S] for b in range(len(seq))])
+    paged_build(k, store, full, cfg, backend="torch")
+    return store
+
+
+def plan_for(backend, cfg, q, k, table, **kw):
+    return DecodePlan(batch=q.shape[0], num_kv_heads=k.shape[2], group=q.shape[1] // k.shape[2], head_dim=q.shape[2],
+                      max_pages=table.shape[1], config=cfg, dtype=q.dtype, device=q.device, backend=backend, **kw)
+
+
+def test_sparse_rows_is_one_token_over_more_pages_than_a_step_reads():
+    cfg = LocksConfig(budget=64)  # k = 4 pages
+    qlen = torch.tensor([1, 1, 1, 5, 1])
+    lens = torch.tensor([64, 65, 10, 1000, 49])
+    assert sparse_rows(qlen, lens, cfg).tolist() == [False, True, False, False, False]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("lens,g,budget", [([17, 300, 95], 3, 64), ([16, 1000], 4, 96), ([40, 33], 1, 512)])
+def test_cpu_backend_selects_the_torch_backend_pages(mode, lens, g, budget):
+    cfg = LocksConfig(budget=budget, **MODES[mode])
+    q, k, v, table, seq = paged(lens, 2, g, 32, seed=len(lens) + g)
+    store = store_of(k, table, seq, cfg)
+    ref, cpu = plan_for("torch", cfg, q, k, table), plan_for("cpu", cfg, q, k, table)
+    out_r, lse_r = ref.run(q, k, v, store, table, seq)
+    out_c, lse_c = cpu.run(q, k, v, store, table, seq)
+    assert torch.equal(cpu.pages, ref.pages)
+    assert torch.allclose(out_c, out_r, atol=1e-5) and torch.allclose(lse_c, lse_r, atol=1e-5)
+
+
+def test_torch_backend_is_the_reference_functions_per_sequence():
+    """The spec itself: scores, ranking and pages of the torch backend equal the token-major
+    reference functions on each sequence's pages."""
+    cfg = LocksConfig(budget=64)
+    q, k, v, table, seq = paged([300, 129], 2, 3, 32, seed=4)
+    store = store_of(k, table, seq, cfg)
+    plan = plan_for("torch", cfg, q, k, table)
+    plan.run(q, k, v, store, table, seq)
+    for b, n in enumerate(seq.tolist()):
+        pc, total = n // S, -(-n // S)
+        sc = score_pages_from_summaries(q[b].view(2, 3, 32), store.gather(table[b, :pc]))  # [Hkv, G, Pc]
+        ids = select_top_pages(combine_group(sc, cfg.combine), total, cfg.pages_per_step)
+        assert torch.equal(plan.pages[b, :, : ids.shape[-1]].long(), ids)
+
+
+def test_scoring_buffers_score_like_the_store():
+    """The cpu backend's two summary sources (a layer's ScoringBuffers, grown page by page like a
+    cache's, and a store read through the block table) give the same scores."""
+    cfg = LocksConfig(budget=64)
+    q, k, v, table, seq = paged([200, 200], 2, 4, 32, seed=6)
+    store = store_of(k, table, seq, cfg)
+    per_seq = [store.gather(table[b, : 200 // S]) for b in range(2)]  # leading [Hkv] each
+    lead = per_seq[0]._map(lambda f, t: torch.stack([t, getattr(per_seq[1], f)]))  # leading [B, Hkv]
+    bufs = ScoringBuffers()
+    bufs.sync(lead.select_pages(slice(0, 5)))
+    bufs.sync(lead)
+    a = paged_score(q, bufs, table, seq, combine="mean_share", backend="cpu")
+    b = paged_score(q, store, table, seq, combine="mean_share", backend="cpu")
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_run_ranked_with_the_plan_scores_equals_run(mode):
+    cfg = LocksConfig(budget=64, **MODES[mode])
+    q, k, v, table, seq = paged([400, 130], 2, 3, 32, seed=8)
+    store = store_of(k, table, seq, cfg)
+    for be in ("torch", "cpu"):
+        plan = plan_for(be, cfg, q, k, table)
+        out, _ = plan.run(q, k, v, store, table, seq)
+        pages = plan.pages.clone()
+        scores, _, ranking = paged_score(q, store, table, seq, combine=cfg.combine, backend=be,
+                                         centroid=cfg.rerank_scores == "centroid")
+        out2, _ = plan.run_ranked(q, k, v, table, seq, ranking, scores=scores)
+        assert torch.equal(plan.pages, pages) and torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_triton_backend_selects_the_torch_backend_pages(mode):
+    """The kernels through the interpreter (small sizes), also with summaries numbered apart
+    from the K/V pages (``summary_table``)."""
+    cfg = LocksConfig(budget=64, **MODES[mode])
+    q, k, v, table, seq = paged([300, 100], 2, 4, 64, seed=9)
+    store = store_of(k, table, seq, cfg)
+    ref, tri = plan_for("torch", cfg, q, k, table), plan_for("triton", cfg, q, k, table)
+    out_r, _ = ref.run(q, k, v, store, table, seq)
+    out_t, _ = tri.run(q, k, v, store, table, seq)
+    assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
+    assert torch.allclose(out_t, out_r, atol=1e-4)
+    perm = torch.randperm(store.num_pages)  # slot j holds page perm[j]: found through summary_table
+    moved = SummaryStore(*(t[perm] for t in store._fields()))
+    tri.run(q, k, v, moved, table, seq, summary_table=torch.argsort(perm)[table.long()].to(torch.int32))
+    assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
