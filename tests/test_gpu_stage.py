@@ -78,11 +78,15 @@ def test_parts_in_any_order_join_and_install(staged, capsys):
     assert (site / "tinymodel" / "model.gguf").read_bytes() == big.read_bytes()
     assert (site / "tinymodel" / "__init__.py").read_bytes() == b""
     assert (site / "tinypkg" / "__init__.py").read_text() == "VALUE = 7\n"
+    # the staged wheel stays in the wheelhouse (pip --find-links); the staged site holds no record
+    # of the working tree, so an environment may install the kvlocks wheel beside it
+    assert [w.name for w in (st / "wheels").iterdir()] == ["tinypkg-1.0-py3-none-any.whl"]
+    assert not list(site.glob("kvlocks*"))
     out = capsys.readouterr()
     assert "surely-not-installed-pkg" in out.err and "missing" in out.err  # the requirement check
     assert (st / "env.sh").read_text() == out.out  # what a command sources
     exports = dict(line.removeprefix("export ").split("=", 1) for line in out.out.splitlines())
-    assert exports["PYTHONPATH"] == f'"{ROOT / "src"}:{ROOT / "lab" / "src"}:{site}"'
+    assert exports["PYTHONPATH"] == f'"{ROOT / "src"}:{ROOT / "lab" / "src"}:{st / "tree"}:{site}"'
     assert exports["TINY"] == f'"{st / "models" / "x"}"'
     stage.finish([], st, site)  # installed already: nothing redone
     assert "installed already" in capsys.readouterr().err
@@ -103,14 +107,16 @@ def test_a_corrupted_piece_is_refused(staged):
 
 def test_env_records_the_working_tree_entry_points(tmp_path):
     stage.env(tmp_path / "stage", tmp_path / "site")
+    tree = tmp_path / "stage" / "tree"
     code = ("from importlib.metadata import entry_points; "
             "print(sorted(e.name for e in entry_points(group='kvlocks.commands')))")
-    # -S: no site-packages, so only the record in the staged site can provide these entry points
+    # -S: no site-packages, so only the tree's record can provide these entry points
     res = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(tmp_path / "site")})
+                         env={"PYTHONPATH": str(tree)})
     lab = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())["project"]
     assert json.loads(res.stdout.replace("'", '"')) == sorted(lab["entry-points"]["kvlocks.commands"])
     for pyproject in (ROOT / "pyproject.toml", ROOT / "lab" / "pyproject.toml"):
         project = tomllib.loads(pyproject.read_text())["project"]
-        meta = (tmp_path / "site" / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info" / "METADATA").read_text()
+        meta = (tree / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info" / "METADATA").read_text()
         assert f"Version: {project['version']}" in meta
+    assert not list((tmp_path / "site").iterdir()), "the staged site holds staged packages only"

@@ -18,10 +18,13 @@ and any later call on the same warm machine (or a call that staged nothing) star
 
     python3 scripts/gpu/stage.py env && . /tmp/kvlocks-stage/env.sh
 
-``env`` also writes an entry-point record of the working tree into ``/tmp/site`` (what an editable
-install would write), so that ``kvlocks bench`` finds the lab's commands and vLLM finds the
-kvlocks plugin, with the code itself read from ``src/``. Device-side commands need only the
-standard library, pip and ``packaging`` (the image has both).
+``env`` also writes an entry-point record of the working tree into ``/tmp/kvlocks-stage/tree``
+(what an editable install would write), so that ``kvlocks bench`` finds the lab's commands and vLLM
+finds the kvlocks plugin, with the code itself read from ``src/``; ``/tmp/site`` holds only staged
+packages, so an environment that installs the kvlocks wheel instead can use it
+(``serve_check.sh``). ``finish`` keeps the staged wheels in ``/tmp/kvlocks-stage/wheels``, for
+``pip install --no-index --find-links``. Device-side commands need only the standard library, pip
+and ``packaging`` (the image has both).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE = Path("/tmp/kvlocks-stage")  # on the device: received parts, joined files, converted models
+# under STAGE: "wheels" (every staged wheel, a --find-links folder), "tree" (the working tree's
+# entry-point records), "models" (staged and converted models)
 SITE = Path("/tmp/site")  # on the device: installed wheels and staged packages
 MIB = 1 << 20
 
@@ -157,6 +162,10 @@ def finish(names: list[str], stage: Path = STAGE, site: Path = SITE) -> None:
             if entry.get("convert"):
                 tok = stage / "models" / entry["tokenizer"] if entry.get("tokenizer") else None
                 _convert(entry["convert"], stage / "models" / entry["dest"].partition("/")[2], stage, site, tok)
+        house = stage / "wheels"
+        house.mkdir(parents=True, exist_ok=True)
+        for path in wheels:
+            shutil.move(str(path), house / path.name)
         shutil.rmtree(root / "pieces")
         shutil.rmtree(root / "files")
         done.write_text(json.dumps({"id": manifest["id"], "placed": placed}))
@@ -186,11 +195,11 @@ def _tree_path() -> str:
     return f"{REPO / 'src'}:{REPO / 'lab' / 'src'}"
 
 
-def _write_repo_metadata(site: Path) -> None:
-    """``SITE/<name>-<version>.dist-info`` for the product and the lab: the working tree's entry
+def _write_repo_metadata(tree: Path) -> None:
+    """``tree/<name>-<version>.dist-info`` for the product and the lab: the working tree's entry
     points (their code stays in ``src/`` and ``lab/src/``)."""
     for pyproject in (REPO / "pyproject.toml", REPO / "lab" / "pyproject.toml"):
-        _write_dist_info(site, pyproject)
+        _write_dist_info(tree, pyproject)
 
 
 def _write_dist_info(site: Path, pyproject: Path) -> None:
@@ -216,9 +225,9 @@ def env(stage: Path = STAGE, site: Path = SITE) -> None:
     """Write ``stage/env.sh`` (and print it): the shell exports for a run from this working tree
     with whatever was staged."""
     site.mkdir(parents=True, exist_ok=True)
-    stage.mkdir(parents=True, exist_ok=True)
-    _write_repo_metadata(site)
-    exports = {"PYTHONPATH": f"{_tree_path()}:{site}", "KVLOCKS_MODEL_DIR": str(stage / "models"),
+    (stage / "tree").mkdir(parents=True, exist_ok=True)
+    _write_repo_metadata(stage / "tree")
+    exports = {"PYTHONPATH": f"{_tree_path()}:{stage / 'tree'}:{site}", "KVLOCKS_MODEL_DIR": str(stage / "models"),
                "PATH": "/usr/local/cuda/bin:$PATH", "PYTHONUNBUFFERED": "1"}
     for done in sorted(stage.glob("*/installed.json")):
         manifest = json.loads((done.parent / "manifest.json").read_text())
