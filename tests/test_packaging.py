@@ -79,8 +79,8 @@ def test_product_wheel_holds_the_product_and_no_lab(wheels):
     files = names(wheels["kvlocks"])
     assert not [f for f in files if "kvlocks_lab" in f], "the kvlocks wheel must not hold the lab"
     assert [f for f in files if re.fullmatch(r"kvlocks/scoring/[^/]+\.cu", f)], "scoring/*.cu (CUDA source) missing"
-    tracked = subprocess.run(["git", "ls-files", "src/kvlocks"], cwd=ROOT, capture_output=True, text=True).stdout
-    modules = {p.removeprefix("src/") for p in tracked.split() if p.endswith(".py") and (ROOT / p).is_file()}
+    src = ROOT / "src"
+    modules = {str(p.relative_to(src)) for p in (src / "kvlocks").rglob("*.py") if "__pycache__" not in p.parts}
     assert modules and not modules - set(files), f"modules missing from the wheel: {sorted(modules - set(files))}"
     eps = entry_points(wheels["kvlocks"])
     assert eps["console_scripts"] == {"kvlocks": "kvlocks.cli:main"}
