@@ -687,7 +687,7 @@ def test_dense_tuner_checks_every_launch_and_keeps_the_fastest_correct_one(monke
 SUPPORT_CASES = [  # (config, head_dim, reason on the torch backend, reason on the Triton kernels; None = supported)
     (LocksConfig(), 64, None, None),
     (LocksConfig(rank=16), 128, None, None),
-    (LocksConfig(), 96, None, "head_dim=96: the Triton kernels support head_dim in (64, 128)"),
+    (LocksConfig(), 96, None, "head_dim=96: the Triton kernels support head_dim in (64, 128, 256)"),
     (LocksConfig(), 63, "head_dim=63: must be even", "head_dim=63: must be even"),
     (LocksConfig(page_size=32, budget=64), 128, None, "page_size=32: the Triton kernels support page_size=16 only"),
     (LocksConfig(rank=6), 64, None, "rank=6: the Triton kernels support ranks (1, 2, 4, 8, 16)"),

@@ -6,7 +6,9 @@ Two layers:
   and int8 coefficients (``basis_bits=4``, ``coef_bits=8``), an even head_dim (two int4 per byte);
   any page size and rank;
 - the Triton kernels (backend ``"triton"``): also 16-token pages (the build's Jacobi pairings and
-  the kernels' tiles are written for them), head_dim 64 or 128, a power-of-two rank.
+  the kernels' tiles are written for them), head_dim 64, 128 or 256, a power-of-two rank. The CUDA
+  score kernel covers head_dim 64 and 128 only (:data:`CUDA_HEAD_DIMS`); at 256 :func:`score_kernel`
+  picks a Triton score kernel.
 
 :func:`kernel_support` says why a configuration is outside them (None when it is inside);
 :func:`check_config` raises that reason as a ``ValueError``. Where a caller has a fallback it
@@ -25,7 +27,11 @@ import torch
 
 STORE_BITS = (4, 8)  # (basis_bits, coef_bits) of the paged summary store
 KERNEL_PAGE_SIZE = 16
-KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_HEAD_DIMS = (64, 128, 256)
+# The CUDA score kernel's compiled head dims. At 256 its static shared memory would be 87 KB for
+# G <= 16 (queries 16 KB + two group slots of 4.7 KB and two centroid slots of 4 KB per warp, 4
+# warps), over the 48 KB a kernel may declare statically: it would need dynamic shared memory.
+CUDA_HEAD_DIMS = (64, 128)
 KERNEL_RANKS = (1, 2, 4, 8, 16)
 BACKENDS = ("torch", "triton")
 FAST_SCORE_RANK = 8  # the CUDA and packed score kernels: rank 8, G from 1 to MAX_FAST_GROUP
@@ -78,7 +84,7 @@ def score_kernel(queries: torch.Tensor, group: int, rank: int, pages_per_program
     """The score kernel for ``queries [B, Hq, D]`` of a supported configuration.
 
     ``"cuda"`` (``scoring/score_mma.cu``): CUDA, float16/bfloat16 queries with unit stride along
-    D, G from 1 to 16, rank 8, a launch of whole 16-page tiles per program, and its library
+    D, D in :data:`CUDA_HEAD_DIMS`, G from 1 to 16, rank 8, a launch of whole 16-page tiles per program, and its library
     compiled (``cuda_library()``, asked last: it compiles at first use). ``"packed"``
     (:mod:`kvlocks.scoring.triton_packed`): for ``"auto"`` CUDA, float16/bfloat16, G from 1 to 16
     and rank 8 (pinned: any queries, G from 1 to 16, rank 8 or 16), measured faster than the three-dot kernel there (H200, 1M
@@ -90,13 +96,13 @@ def score_kernel(queries: torch.Tensor, group: int, rank: int, pages_per_program
     fast = half and 1 <= group <= MAX_FAST_GROUP
     need = {
         "cuda": (fast and rank == FAST_SCORE_RANK and queries.stride(-1) == 1
-                 and pages_per_program % CUDA_TILE == 0,
-                 f"CUDA float16/bfloat16 queries with unit stride along D, G in 1..{MAX_FAST_GROUP}, rank "
-                 f"{FAST_SCORE_RANK} and pages per program a multiple of {CUDA_TILE}"),
+                 and queries.shape[-1] in CUDA_HEAD_DIMS and pages_per_program % CUDA_TILE == 0,
+                 f"CUDA float16/bfloat16 queries with unit stride along D, D in {CUDA_HEAD_DIMS}, G in "
+                 f"1..{MAX_FAST_GROUP}, rank {FAST_SCORE_RANK} and pages per program a multiple of {CUDA_TILE}"),
         "packed": (1 <= group <= MAX_FAST_GROUP and rank in (FAST_SCORE_RANK, 16),
                    f"G in 1..{MAX_FAST_GROUP} and rank 8 or 16"),
     }
-    got = (f"got {queries.device.type} {queries.dtype}, G={group}, rank={rank}, "
+    got = (f"got {queries.device.type} {queries.dtype}, D={queries.shape[-1]}, G={group}, rank={rank}, "
            f"pages per program {pages_per_program}")
     if choice in need:
         ok, what = need[choice]

@@ -121,11 +121,24 @@ def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, Hq, 
     tl.store(lse_ptr + r, tl.where(has, (m_all + tl.log2(tl.where(has, l_all, 1.0))) * _LN2, float("-inf")))
 
 
+def step_pages(ppi: int, head_dim: int) -> int:
+    """Pages the attention kernel reads per inner step for a launch of ``ppi`` pages per step:
+    ``ppi`` up to head_dim 128, half of it (at least 1) at 256.
+
+    Halved at 256 so that a step's tiles keep D = 128's size: the K and V tiles ``[ppi * S, D]``
+    (staged in shared memory once per pipeline stage: at D = 256 the 8-page, 2-stage launch would
+    need 256 KB, over sm_90's 227 KB per block) and the loads in flight per thread. The float32
+    accumulator ``[16, D]`` still doubles, to 32 registers per thread at 4 warps (16 at 8 warps).
+    """
+    return ppi if head_dim <= 128 else max(1, ppi * 128 // head_dim)
+
+
 @dataclass
 class AttentionWorkspace:
     """Buffers of one split-KV launch shape, allocated once per plan (:func:`attention_workspace`).
 
-    launch : the DenseLaunch it was sized for (pages per inner step, warps, stages)
+    launch : the DenseLaunch it was sized for (pages per inner step, warps, stages; the kernel's
+        step at head_dim 256 is :func:`step_pages`)
     splits : programs per (sequence, KV head); pps : pages per split, a multiple of ``launch.ppi``
     po, plse : float32 partials ``[B, Hq, splits, D]`` and their LSEs ``[B, Hq, splits]``
     out : ``[B, Hq, D]`` in the queries' dtype; lse : float32 ``[B, Hq]``
@@ -208,7 +221,7 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         queries, queries.stride(0), queries.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_table, block_table.stride(0), seq_lens, page_list, page_list.stride(0),
         page_list.stride(1), n_list, ws.po, ws.plse, hkv, g, ws.splits, ws.pps, scale * LOG2E,
-        GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=launch.ppi, DOT_DT=dot_dtype(k_cache.dtype),
+        GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=step_pages(launch.ppi, d), DOT_DT=dot_dtype(k_cache.dtype),
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", PDL=pdl,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch,
     )

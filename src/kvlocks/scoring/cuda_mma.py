@@ -22,7 +22,7 @@ import torch
 
 from kvlocks._nvcc import CudaSource
 from kvlocks.cache.layout import SummaryStore
-from kvlocks.kernels_support import CUDA_TILE, score_kernel
+from kvlocks.kernels_support import CUDA_HEAD_DIMS, CUDA_TILE, score_kernel
 from kvlocks.pdl import enabled as pdl_enabled
 from kvlocks.scoring.triton_combine import LOG2E, ScoreWorkspace, finish_scores
 
@@ -77,8 +77,8 @@ def score_pages_mma(queries: torch.Tensor, summaries: SummaryStore, block_table:
                  cuda_library=lambda: available(queries.device))
     ws = workspace or ScoreWorkspace.allocate(bsz, hkv, g, max_pages, queries.device,
                                               pages_per_program(max_pages, bsz * hkv, queries.device, d, g))
-    if summaries.page_size != TILE or d not in (64, 128):
-        raise ValueError(f"the CUDA score kernel needs page size {TILE} and head_dim 64 or 128, got "
+    if summaries.page_size != TILE or d not in CUDA_HEAD_DIMS:
+        raise ValueError(f"the CUDA score kernel needs page size {TILE} and head_dim in {CUDA_HEAD_DIMS}, got "
                          f"S={summaries.page_size}, D={d}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.stride(-1) != 1:
         raise ValueError("block_table and seq_lens must be int32, the block table with unit stride along pages")

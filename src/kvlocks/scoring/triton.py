@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kvlocks.cache.layout import SummaryStore, dot_dtype
 from kvlocks.config import KernelOptions, default_kernel_options
-from kvlocks.kernels_support import kernel_support, score_kernel
+from kvlocks.kernels_support import CUDA_HEAD_DIMS, kernel_support, score_kernel
 from kvlocks.scoring import cuda_mma, triton_packed
 from kvlocks.scoring.triton_combine import (
     LOG2E, ScoreWorkspace, combine_launch, finish_scores, launch_sizes, row_chunk, store_and_fold,
@@ -114,20 +114,28 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
 _MMA_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
                 for b in (16, 32) for w in (4, 8) for st in (1, 2, 3)]
 _score_mma_tuned = triton.autotune(_MMA_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_mma_kernel)
+# head_dim 256: 16 pages per step only. The unpacked basis tile [BLOCK * 16, D] is the dot operand
+# staged in shared memory: 128 KB in float16 at BLOCK 16 (as BLOCK 32 at D = 128), 256 KB at
+# BLOCK 32, over the H100/H200's 227 KB per block; 16 is also tl.dot's smallest M (the centroid dot).
+_MMA_CONFIGS_256 = [triton.Config({"BLOCK": 16}, num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2)]
+_score_mma_tuned_256 = triton.autotune(_MMA_CONFIGS_256, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
+    _score_mma_kernel)
 
 
-def tuned_launch():
-    """The launch configuration the score autotuner chose last (None before a tuned CUDA call)."""
-    return getattr(_score_mma_tuned, "best_config", None)
+def tuned_launch(head_dim: int = 128):
+    """The launch configuration the score autotuner of ``head_dim`` chose last (None before a
+    tuned CUDA call at that head_dim)."""
+    return getattr(_score_mma_tuned_256 if head_dim > 128 else _score_mma_tuned, "best_config", None)
 
 
 def score_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, device,
                     pages_per_program: int | None = None, head_dim: int = 128) -> ScoreWorkspace:
     """Buffers for :func:`score_pages_paged`, allocated once per plan. Pages per program: sized
-    for the CUDA kernel where it is available (a multiple of every kernel's step), else for Triton's."""
+    for the CUDA kernel where it runs (``head_dim`` in ``CUDA_HEAD_DIMS`` and compiled: a multiple of
+    every kernel's step), else for Triton's."""
     device = torch.device(device)
     ppp = pages_per_program
-    if ppp is None and device.type == "cuda" and cuda_mma.available(device):
+    if ppp is None and device.type == "cuda" and head_dim in CUDA_HEAD_DIMS and cuda_mma.available(device):
         ppp = cuda_mma.pages_per_program(max_pages, batch * num_kv_heads, device, head_dim, group)
     ppp = ppp or launch_sizes(max_pages, batch * num_kv_heads, device, MAX_BLOCK)
     return ScoreWorkspace.allocate(batch, num_kv_heads, group, max_pages, device, ppp)
@@ -180,7 +188,8 @@ def score_pages_paged(queries: torch.Tensor, summaries: SummaryStore, block_tabl
     gb = ws.stats.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     fixed = launch or ({} if queries.is_cuda else {"BLOCK": 16})
-    kernel = _score_mma_tuned if queries.is_cuda and not launch else _score_mma_kernel
+    tuned = _score_mma_tuned_256 if d > 128 else _score_mma_tuned
+    kernel = tuned if queries.is_cuda and not launch else _score_mma_kernel
     kw = dict(RP=max(16, triton.next_power_of_2(r)), DOT_DT=dot_dtype(queries.dtype),
               C_DT=tl.float32 if queries.dtype == torch.float32 else tl.float16,
               PRECISION="ieee" if queries.dtype == torch.float32 else "tf32")

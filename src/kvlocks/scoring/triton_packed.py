@@ -1,8 +1,9 @@
-"""Page scoring (Eq. 4) for GQA groups up to 8: the "packed" score kernel.
+"""Page scoring (Eq. 4) for GQA groups up to 16: the "packed" score kernel.
 
 Same inputs, outputs and combine step as :func:`kvlocks.scoring.triton.score_pages_paged`, which
 dispatches here on CUDA for half-precision queries, G <= 16 and rank 8 when the CUDA kernel
-(:mod:`kvlocks.scoring.cuda_mma`) is not available (:func:`kvlocks.kernels_support.score_kernel`).
+(:mod:`kvlocks.scoring.cuda_mma`) is not available or does not take the head_dim (256)
+(:func:`kvlocks.kernels_support.score_kernel`).
 Per step of BLOCK pages:
 
 - the basis tile is ``[BLOCK * R, D / 2]`` bytes (no padded rows) and the projection is two
@@ -184,11 +185,19 @@ _PACKED_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
                    for b, w, st in ((16, 2, 2), (32, 4, 2), (32, 4, 1), (16, 4, 2))]
 _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
     _score_packed_kernel)
+# head_dim 256: 16 pages per step, so the per-step tiles (basis bytes [BLOCK * R, D / 2], their two
+# float16 halves, centroids [BLOCK, D]) are the size of D = 128's at 32 pages; 16 is also the
+# smallest M of the centroid dot.
+_PACKED_CONFIGS_256 = [triton.Config({"BLOCK": 16}, num_warps=w, num_stages=st)
+                       for w, st in ((2, 2), (4, 2), (4, 1), (8, 2))]
+_score_packed_tuned_256 = triton.autotune(_PACKED_CONFIGS_256, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
+    _score_packed_kernel)
 
 
-def tuned_launch():
-    """The launch configuration the packed-score autotuner chose last (None before a tuned CUDA call)."""
-    return getattr(_score_packed_tuned, "best_config", None)
+def tuned_launch(head_dim: int = 128):
+    """The launch configuration the packed-score autotuner of ``head_dim`` chose last (None before a
+    tuned CUDA call at that head_dim)."""
+    return getattr(_score_packed_tuned_256 if head_dim > 128 else _score_packed_tuned, "best_config", None)
 
 
 def score_pages_packed(queries: torch.Tensor, summaries: SummaryStore, block_table: torch.Tensor,
@@ -219,7 +228,7 @@ def score_pages_packed(queries: torch.Tensor, summaries: SummaryStore, block_tab
                                               launch_sizes(max_pages, bsz * hkv, queries.device, 32))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     tuned = queries.is_cuda and not launch
-    kernel = _score_packed_tuned if tuned else _score_packed_kernel
+    kernel = (_score_packed_tuned_256 if d > 128 else _score_packed_tuned) if tuned else _score_packed_kernel
     launch = {} if tuned else dict(launch or {"BLOCK": 16})
     half = queries.dtype != torch.float32
     if unpack is None:

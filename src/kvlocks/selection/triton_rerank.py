@@ -217,7 +217,8 @@ def exact_masses(queries, k_cache, block_table, seq_lens, scores, cand, ws: Rera
         k_cache.stride(2), block_table, block_table.stride(0), seq_lens, cand, scores, ws.exact, ws.est, hkv, g,
         scores.shape[-1], kc, scale * LOG2E, GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PB=PAGES_PER_PROGRAM,
         DOT_DT=dot_dtype(k_cache.dtype), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        PDL=bool(extra), num_warps=4, **extra)
+        PDL=bool(extra), num_warps=4 if d <= 128 else 8, **extra)  # D = 256: 8 warps keep the gathered
+    # keys [PB * S, D] at D = 128's 128 values per thread (the dot's operand tile; 64 KB staged at 256)
 
 
 def pick_pages(seq_lens, lse, cand, config: LocksConfig, ws: RerankWorkspace, *, group: int,

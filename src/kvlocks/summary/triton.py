@@ -17,11 +17,11 @@
      keys rotated in XOR pairs until orthogonal, the row swaps register moves and 40 butterfly
      shuffles per step the only exchange; coefficients from the accumulated rotations.
 
-   ``"auto"`` is ``onesided`` with Triton >= 3.9 (launched with a register cap,
-   ``ONESIDED_LAUNCH``) and ``lean`` before: on the H200, llama3-8b at 1M, whole model, Triton 3.9
-   one-sided at 168 registers per thread 0.982 s, uncapped 1.103, lean 1.096; Triton 3.6 lowers the
-   one-sided row swaps through shared memory and is 3x slower there (3.52 s vs lean 1.19;
-   docs/benchmarks.md);
+   ``"auto"`` is ``onesided`` with Triton >= 3.9 up to head_dim 128 (launched with a register
+   cap, ``ONESIDED_LAUNCH``) and ``lean`` before and at head_dim 256 (``ONESIDED_MAX_AUTO_D``): on
+   the H200, llama3-8b at 1M, whole model, Triton 3.9 one-sided at 168 registers per thread
+   0.982 s, uncapped 1.103, lean 1.096; Triton 3.6 lowers the one-sided row swaps through shared
+   memory and is 3x slower there (3.52 s vs lean 1.19; docs/benchmarks.md);
 3. rank the eigenvalues and keep the top R directions (float32 rounds the Gram at ~1e-7 *
    lambda_1, so a direction with lambda_r <= ``REL_FLOOR**2 * lambda_1`` is dropped as
    numerically zero, like the reference's 1e-6 floor in float64), then int4/int8 quantization
@@ -107,6 +107,13 @@ _build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE
 # with 216 B of stack per thread. Caps 144-208 timed on the H200 (llama3-8b at 1M, docs/benchmarks.md):
 # 168 fastest (0.982 s); 160 (also 12 per SM, more spills) 0.993 s, 176 (11 per SM) 1.111 s.
 ONESIDED_LAUNCH = {"BP": 1, "num_warps": 1, "maxnreg": 168}
+# head_dim 256: the one-sided solver rotates the centred keys themselves, [S, D] float32 = 128
+# values per thread of a 1-warp program before any other state (64 at D = 128, where it already
+# needs 255 registers uncapped), so "auto" takes lean there: its sweeps hold the 16 x 16 Gram and
+# eigenvectors whatever D is, and it re-reads the keys for the basis. A pinned one-sided build at
+# D = 256 runs on 2 warps (the keys 64 values per thread, as at D = 128 on one warp).
+ONESIDED_MAX_AUTO_D = 128
+ONESIDED_LAUNCH_256 = {"BP": 1, "num_warps": 2, "maxnreg": 168}
 
 
 def tuned_launch():
@@ -119,25 +126,26 @@ def _triton_version() -> tuple[int, int]:
     return major, minor
 
 
-def resolve_solver(solver: str = "auto") -> str:
-    """``"lean"`` or ``"onesided"``; ``"auto"``: one-sided with Triton >= 3.9, lean before."""
+def resolve_solver(solver: str = "auto", head_dim: int = 128) -> str:
+    """``"lean"`` or ``"onesided"``; ``"auto"``: one-sided with Triton >= 3.9 up to head_dim 128,
+    lean before and at head_dim 256 (:data:`ONESIDED_MAX_AUTO_D`)."""
     if solver not in BUILD_SOLVERS:
         raise ValueError(f"solver={solver!r}: allowed {BUILD_SOLVERS}")
     if solver == "auto":
-        return "onesided" if _triton_version() >= (3, 9) else "lean"
+        return "onesided" if _triton_version() >= (3, 9) and head_dim <= ONESIDED_MAX_AUTO_D else "lean"
     return solver
 
 
 def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=SWEEPS, solver="auto", launch=None):
     _, s, hkv, d = k_cache.shape
-    onesided = resolve_solver(solver) == "onesided"
+    onesided = resolve_solver(solver, d) == "onesided"
     if k_cache.stride(-1) != 1:
         raise ValueError("k_cache needs a contiguous last dim")
     prec = "tf32x3" if k_cache.is_cuda else "ieee"
     tb = table if table is not None else ids
     tuned = k_cache.is_cuda and not incremental and not launch
     if tuned and onesided:
-        tuned, launch = False, ONESIDED_LAUNCH
+        tuned, launch = False, ONESIDED_LAUNCH if d <= ONESIDED_MAX_AUTO_D else ONESIDED_LAUNCH_256
     kernel = _build_tuned if tuned else _build_kernel
     launch = {} if tuned else dict(launch or {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4})
     kernel[lambda meta: (triton.cdiv(max(n_items, 1), meta["BP"]),)](
