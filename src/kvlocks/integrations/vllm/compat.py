@@ -234,6 +234,25 @@ def layer_number(name: str) -> int | None:
     return None
 
 
+def current_vllm_config():
+    """The ``VllmConfig`` vLLM set for the model being built (None outside vLLM's context)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config()
+    except Exception:  # noqa: BLE001 - no config context: the caller reports nothing
+        return None
+
+
+def model_attention_layers(vllm_config) -> dict:
+    """``{name: attention layer}`` of every attention layer of the model (vLLM's static forward
+    context: the layers register there when they are built)."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+    if not isinstance(ctx, dict):
+        raise VllmCompatError(f"VllmConfig has no compilation_config.static_forward_context (vLLM {vllm_version()})")
+    return {name: layer for name, layer in ctx.items() if hasattr(layer, "impl")}
+
+
 def layer_index(layer) -> int | None:
     """The decoder layer number of an attention layer, from its ``layer_name``."""
     return layer_number(getattr(layer, "layer_name", "") or "")

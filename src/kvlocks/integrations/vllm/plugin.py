@@ -16,24 +16,26 @@ from __future__ import annotations
 import logging
 import os
 
-from kvlocks import env
 from kvlocks.config import LocksConfig
+from kvlocks.integrations.vllm import settings as _settings
+from kvlocks.integrations.vllm.settings import ENV_VAR, PluginSettings
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "KVLOCKS_VLLM_CONFIG"
 _registered = False
 
 
 def current_config() -> LocksConfig | None:
-    """The LocksConfig in ``$KVLOCKS_VLLM_CONFIG``, or None when unset/empty. Bad JSON raises."""
-    text = env.get(ENV_VAR) or ""
-    if not text:
-        return None
-    try:
-        return LocksConfig.from_json(text)
-    except ValueError as exc:
-        raise ValueError(f"${ENV_VAR} does not hold a valid LocksConfig JSON: {exc}") from None
+    """The LocksConfig in ``$KVLOCKS_VLLM_CONFIG``, or None when unset/empty. A malformed value
+    raises a ValueError naming the variable and what is allowed (:mod:`.settings`)."""
+    parsed = _settings.current()
+    return None if parsed is None else parsed[0]
+
+
+def current_settings() -> PluginSettings:
+    """The plugin's own keys of ``$KVLOCKS_VLLM_CONFIG`` (defaults when unset)."""
+    parsed = _settings.current()
+    return PluginSettings() if parsed is None else parsed[1]
 
 
 def register() -> None:
@@ -61,12 +63,13 @@ def register() -> None:
         _registered = True
         return
     _registered = True
-    log.info("kvlocks: LOCKS attention backend registered for %s (%r)", entry, config)
+    log.info("kvlocks: LOCKS attention backend registered for %s (%r, %r)", entry, config, current_settings())
 
 
-def enable(config: LocksConfig) -> None:
-    """Configure LOCKS for vLLM engines started later from this process, and register it here."""
+def enable(config: LocksConfig, *, strict: bool = False) -> None:
+    """Configure LOCKS for vLLM engines started later from this process, and register it here.
+    ``strict``: any layer that cannot run LOCKS is an error at engine start (:mod:`.settings`)."""
     if not isinstance(config, LocksConfig):
         raise TypeError(f"enable() takes a LocksConfig, got {type(config).__name__}")
-    os.environ[ENV_VAR] = config.to_json()
+    os.environ[ENV_VAR] = _settings.to_text(config, PluginSettings(strict=strict))
     register()

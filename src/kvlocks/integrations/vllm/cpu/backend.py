@@ -34,8 +34,10 @@ import torch
 
 from kvlocks import env
 from kvlocks.attention.reference import sparse_decode
-from kvlocks.integrations.vllm import compat
-from kvlocks.integrations.vllm.plugin import current_config
+from kvlocks.integrations.vllm import compat, startup
+from kvlocks.integrations.vllm import layers as layer_table
+from kvlocks.integrations.vllm.plugin import current_config, current_settings
+from kvlocks.integrations.vllm.sinks import apply_sinks
 from kvlocks.integrations.vllm.cpu.store import BlockSummaryStore
 from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
 
@@ -58,25 +60,35 @@ class LocksCPUAttentionImpl(_StockImpl):
         self.trace_path = env.get("KVLOCKS_VLLM_TRACE")
         self.verify = env.flag("KVLOCKS_VLLM_VERIFY")
         self.ignore_tags = env.flag("KVLOCKS_VLLM_IGNORE_TAGS")
-        unsupported = self._unsupported()
-        if self.locks is not None and unsupported:
-            log.warning("kvlocks: LOCKS decode disabled for this layer (%s); it runs dense attention", unsupported)
-            self.locks = None
+        self.kvlocks_decision = None  # read by the layer table (layers.py)
+        self._vllm_config = compat.current_vllm_config()
+        if self.locks is not None:
+            self._check_engine()
+            self.kvlocks_decision = layer_table.decide(self._facts(), head_dims=range(2, 4097, 2), sinks_supported=True,
+                                                       dense="CPU attention")
+            if self.kvlocks_decision.outcome != layer_table.LOCKS:
+                self.locks = None
 
-    def _unsupported(self) -> str:
-        if self.attn_type != compat.decoder_attention_type():
-            return f"attention type {self.attn_type}"
-        if self.sliding_window not in (-1, None):
-            return f"sliding window {self.sliding_window}"
-        if self.alibi_slopes is not None:
-            return "ALiBi"
-        if self.logits_soft_cap:
-            return f"logit soft cap {self.logits_soft_cap}"
-        if self.sinks is not None:
-            return "attention sinks"
-        if self.is_fp8_kv_cache:
-            return f"kv_cache_dtype {self.kv_cache_dtype}"
-        return ""
+    def _check_engine(self) -> None:
+        mc = getattr(self._vllm_config, "model_config", None)
+        cc = getattr(self._vllm_config, "cache_config", None)
+        startup.check(self.locks, platform="cpu", dtype=getattr(mc, "dtype", None), kv_cache_dtype=self.kv_cache_dtype,
+                      block_size=getattr(cc, "block_size", None))
+
+    def _facts(self) -> layer_table.LayerFacts:
+        return layer_table.LayerFacts(
+            attn_type=str(self.attn_type), sliding_window=self.sliding_window,
+            alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap or None,
+            sinks=getattr(self, "sinks", None) is not None, head_size=self.head_size,
+            kv_shared_with=getattr(self, "kv_sharing_target_layer_name", None))
+
+    def _report_layers(self) -> None:
+        """Once per model, at its first forward pass (every layer is built by then): the table."""
+        if self._vllm_config is None or layer_table.reported(id(self._vllm_config)):
+            return
+        layers = compat.model_attention_layers(self._vllm_config)
+        decisions = layer_table.model_decisions(layers, dense="CPU attention")
+        layer_table.report(decisions, strict=current_settings().strict, key=id(self._vllm_config))
 
     # ------------------------------------------------------------ cache writes: validity tags
 
@@ -102,6 +114,8 @@ class LocksCPUAttentionImpl(_StockImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        if self.locks is not None:
+            self._report_layers()
         if self.locks is None or attn_metadata is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
@@ -143,7 +157,9 @@ class LocksCPUAttentionImpl(_StockImpl):
             pages = choose_pages(q, view, cfg, _SELECTOR)  # [Hkv, K] ascending logical pages
             k_sel, v_sel, valid = _gather_pages(key_cache, value_cache, pids, pages, n, s)  # [Hkv, K*S, D]
             local = torch.arange(pages.shape[-1]).expand_as(pages)  # selected pages, renumbered
-            out, _ = sparse_decode(q, k_sel, v_sel, local, s, scale=self.scale, token_mask=valid)
+            out, lse = sparse_decode(q, k_sel, v_sel, local, s, scale=self.scale, token_mask=valid)
+            if self.sinks is not None:  # learned sink logits [Hq] -> [Hkv, G]
+                out = apply_sinks(out.float(), lse, self.sinks.view(hkv, g))
             output[t] = out.reshape(hkv * g, d).to(output.dtype)  # [Hq, D]
             if self.trace_path:
                 self._trace(lidx, n, step.block_table[r, 0], pages, built, stale)

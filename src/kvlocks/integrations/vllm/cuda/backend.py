@@ -42,11 +42,14 @@ import weakref
 
 import torch
 
+from kvlocks.integrations.vllm import layers as layer_table
+from kvlocks.integrations.vllm import startup
+from kvlocks.integrations.vllm.compat import current_vllm_config, layer_number, model_attention_layers
 from kvlocks.integrations.vllm.cuda import compat as cuda_compat
-from kvlocks.integrations.vllm.compat import decoder_attention_type, layer_number
+from kvlocks.integrations.vllm.cuda import memory
 from kvlocks.integrations.vllm.cuda.step import LocksDecoder, LocksStep, PlanPool, step_lens
 from kvlocks.integrations.vllm.cuda.store import COUNTERS
-from kvlocks.integrations.vllm.plugin import current_config
+from kvlocks.integrations.vllm.plugin import current_config, current_settings
 from kvlocks.kernels_support import KERNEL_HEAD_DIMS, KERNEL_PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,70 @@ def debug_counters() -> dict:
     return total
 
 
+def report_layers(vllm_config) -> dict:
+    """Log the model's layer table once (strict mode: raise on a fallback); returns the decisions."""
+    layers = model_attention_layers(vllm_config)
+    decisions = layer_table.model_decisions(layers, dense="FlashAttention")
+    layer_table.report(decisions, strict=current_settings().strict, key=id(vllm_config))
+    return decisions
+
+
+def _at_profiling(vllm_config, query: torch.Tensor) -> None:
+    """Once, in vLLM's profiling run (cuda/memory.py): log the layer table, allocate every decode
+    plan the engine's batches can use and reserve the summaries' share, so vLLM counts both."""
+    if memory.RESERVE.done:
+        return
+    report_layers(vllm_config)
+    impls = [(n, l.impl) for n, l in model_attention_layers(vllm_config).items()
+             if isinstance(l.impl, LocksFlashAttentionImpl) and l.impl.locks is not None]
+    rows, max_len = cuda_compat.engine_limits(vllm_config)
+    width = cuda_compat.block_table_width(vllm_config, KERNEL_PAGE_SIZE)
+    shapes = {impl._make_decoder(n).shape(width, query.dtype, query.device) for n, impl in impls}
+    plan_bytes = sum(_POOL.reserve(shape, rows) for shape in shapes)
+    esize = query.element_size()
+    kv_layers = [(getattr(getattr(l.impl, "kvlocks_decision", None), "outcome", None) == layer_table.LOCKS,
+                  int(getattr(l.impl, "num_kv_heads", 0) or 0), int(getattr(l.impl, "head_size", 0) or 0), esize)
+                 for l in model_attention_layers(vllm_config).values()
+                 if not getattr(l.impl, "kv_sharing_target_layer_name", None)]
+    kv_layers = [x for x in kv_layers if x[1] and x[2]]
+    hybrid = any(getattr(l.impl, "sliding_window", None) not in (None, (-1, -1))
+                 for l in model_attention_layers(vllm_config).values())
+    config = impls[0][1].locks if impls else current_config()
+    memory.RESERVE.model = memory.model_bytes(config, kv_layers, hybrid=hybrid)
+    memory.RESERVE.plan_bytes = plan_bytes
+    cc = vllm_config.cache_config
+    if getattr(cc, "kv_cache_memory_bytes", None):
+        memory.RESERVE.fixed_pool = True
+        memory.RESERVE.take(0, query.device)
+    else:
+        free = memory.free_in_share(query.device, float(cc.gpu_memory_utilization))
+        memory.RESERVE.take(memory.reserve_bytes(memory.RESERVE.model.rho, free), query.device)
+    log.info("kvlocks: reserved during vLLM's profiling run: LOCKS plans %.1f MiB, summaries %.1f MiB "
+             "(summaries / K/V = %.3f)", plan_bytes / 2**20, memory.RESERVE.bytes / 2**20, memory.RESERVE.model.rho)
+
+
+def _log_pool(impls: list) -> None:
+    """After a group's stores are (re)bound: release the reserve and log the pool in tokens."""
+    reserved = memory.RESERVE.release()
+    stores = [ref().store for ref in _DECODERS if ref() is not None and ref().store is not None]
+    summaries = sum(st.nbytes() for st in stores)
+    blocks = impls[0].decoder.store.num_blocks
+    model = memory.RESERVE.model
+    if model is None:
+        log.info("kvlocks: KV pool of %d blocks; LOCKS summaries %.1f MiB", blocks, summaries / 2**20)
+        return
+    locks_bytes = summaries + memory.RESERVE.plan_bytes
+    have, without = memory.pool_tokens(blocks, KERNEL_PAGE_SIZE, model, locks_bytes)
+    where = ("on top of kv_cache_memory_bytes" if memory.RESERVE.fixed_pool
+             else "inside gpu_memory_utilization")
+    log.info("kvlocks: the KV pool holds %d tokens per layer with LOCKS (summaries %.1f MiB, plans %.1f MiB, %s); "
+             "without LOCKS it would hold about %d", have, summaries / 2**20, memory.RESERVE.plan_bytes / 2**20,
+             where, without if not memory.RESERVE.fixed_pool else have)
+    if reserved and summaries > reserved:
+        log.warning("kvlocks: LOCKS summaries (%.1f MiB) exceed the share reserved during profiling (%.1f MiB) "
+                    "by %.1f MiB", summaries / 2**20, reserved / 2**20, (summaries - reserved) / 2**20)
+
+
 class LocksFlashAttentionImpl(_StockImpl):
     """vLLM's FlashAttention implementation with LOCKS single-token decode."""
 
@@ -83,38 +150,34 @@ class LocksFlashAttentionImpl(_StockImpl):
         super().__init__(*args, **kwargs)
         self.locks = current_config()
         self.decoder: LocksDecoder | None = None
-        reason = self._unsupported() if self.locks is not None else ""
-        if reason:
-            log.warning("kvlocks: LOCKS decode disabled for this layer (%s); its group runs FlashAttention", reason)
-            self.locks = None
+        self.kvlocks_decision = None  # read by the layer table (layers.py)
+        self._vllm_config = current_vllm_config()
+        if self.locks is not None:
+            startup.check(self.locks, platform="cuda", kv_cache_dtype=self.kv_cache_dtype)
+            self.kvlocks_decision = layer_table.decide(self._facts(), head_dims=KERNEL_HEAD_DIMS, sinks_supported=True,
+                                                       dense="FlashAttention")
+            if self.kvlocks_decision.outcome != layer_table.LOCKS:
+                self.locks = None
 
-    def _unsupported(self) -> str:
-        if self.attn_type != decoder_attention_type():
-            return f"attention type {self.attn_type}"
-        if tuple(self.sliding_window or (-1, -1)) != (-1, -1):
-            return f"sliding window {self.sliding_window}"
-        if self.alibi_slopes is not None:
-            return "ALiBi"
-        if self.logits_soft_cap:
-            return f"logit soft cap {self.logits_soft_cap}"
-        if getattr(self, "sinks", None) is not None:
-            return "attention sinks"
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
-            return f"kv_cache_dtype {self.kv_cache_dtype}"
-        if self.head_size not in KERNEL_HEAD_DIMS:
-            return f"head_size {self.head_size} (kernels: {KERNEL_HEAD_DIMS})"
-        if getattr(self, "kv_sharing_target_layer_name", None):
-            return "KV cache shared with another layer"
-        return ""
+    def _facts(self) -> layer_table.LayerFacts:
+        window = tuple(self.sliding_window or (-1, -1))  # FlashAttention's (left, right): (W - 1, 0)
+        return layer_table.LayerFacts(
+            attn_type=str(self.attn_type), sliding_window=None if window == (-1, -1) else window[0] + 1,
+            alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap or None,
+            sinks=getattr(self, "sinks", None) is not None, head_size=self.head_size,
+            kv_shared_with=getattr(self, "kv_sharing_target_layer_name", None))
 
-    def attach(self, layer_name: str, kv_cache: torch.Tensor) -> None:
-        """Called by the builder outside any capture: make the decoder and bind its store."""
+    def _make_decoder(self, layer_name: str) -> LocksDecoder:
         if self.decoder is None:
             self.decoder = LocksDecoder(self.locks, num_kv_heads=self.num_kv_heads, group=self.num_queries_per_kv,
                                         head_dim=self.head_size, scale=self.scale, pool=_POOL,
-                                        layer=layer_number(layer_name))
+                                        layer=layer_number(layer_name), sinks=getattr(self, "sinks", None))
             _DECODERS.append(weakref.ref(self.decoder))
-        self.decoder.bind(cuda_compat.split_flash_kv_cache(kv_cache, self.num_kv_heads, self.head_size)[0])
+        return self.decoder
+
+    def attach(self, layer_name: str, kv_cache: torch.Tensor) -> None:
+        """Called by the builder outside any capture: make the decoder and bind its store."""
+        self._make_decoder(layer_name).bind(cuda_compat.split_flash_kv_cache(kv_cache, self.num_kv_heads, self.head_size)[0])
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -131,6 +194,8 @@ class LocksFlashAttentionImpl(_StockImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
+        if attn_metadata is None and self.locks is not None and self._vllm_config is not None:
+            _at_profiling(self._vllm_config, query)  # vLLM's profiling run: every layer exists now
         step = getattr(attn_metadata, STEP_ATTR, None) if attn_metadata is not None else None
         if step is None or self.decoder is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
@@ -157,12 +222,27 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.locks = current_config()
         cuda_compat.check_engine(vllm_config)
+        if self.locks is not None:
+            self._check_group(vllm_config, layer_names)
         rows, _ = cuda_compat.engine_limits(vllm_config)
         self._sparse = torch.zeros(rows + 1, dtype=torch.bool, device=device)
         self._flash_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self._locks_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self._layers = None
         self._bound: dict = {}  # layer name -> data_ptr of the KV cache its store was bound to
+
+    def _check_group(self, vllm_config, layer_names) -> None:
+        """The layer table (if the profiling run did not log it) and this KV cache group: LOCKS
+        layers sharing a group with a layer that cannot run LOCKS run FlashAttention (one metadata
+        per group), said in a warning; an error in strict mode."""
+        decisions = report_layers(vllm_config)
+        group = [n for n in layer_names if n in decisions]
+        demoted = layer_table.demote(decisions, group, "FlashAttention")
+        if demoted:
+            log.warning("kvlocks: %s", layer_table.table({n: decisions[n] for n in demoted}))
+            err = layer_table.strict_error({n: decisions[n] for n in demoted}) if current_settings().strict else None
+            if err:
+                raise ValueError(err)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
@@ -176,7 +256,7 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
         of the group cannot run LOCKS (the group then runs FlashAttention unchanged)."""
         if self._layers is None:
             self._layers = cuda_compat.attention_layers(self.vllm_config, self.layer_names)
-        impls = []
+        impls, rebound = [], False
         for name, layer in self._layers.items():
             impl, kv = layer.impl, cuda_compat.layer_kv_cache(layer)
             if self.locks is None or not isinstance(impl, LocksFlashAttentionImpl) or impl.locks is None or kv is None:
@@ -184,7 +264,10 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
             if self._bound.get(name) != kv.data_ptr():  # first step, or vLLM re-allocated its cache
                 impl.attach(name, kv)
                 self._bound[name] = kv.data_ptr()
+                rebound = True
             impls.append(impl)
+        if rebound and impls:
+            _log_pool(impls)
         return impls or None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
@@ -229,6 +312,17 @@ class LocksFlashAttentionBackend(_StockBackend):
     @staticmethod
     def get_builder_cls():
         return LocksFlashAttentionMetadataBuilder
+
+    @classmethod
+    def validate_configuration(cls, *args, **kwargs) -> list[str]:
+        """vLLM's check of this backend for a layer: engine-wide settings LOCKS cannot run (dtype,
+        kv_cache_dtype, block_size) are refused here, naming the setting, instead of vLLM quietly
+        choosing another backend without LOCKS (startup.py)."""
+        config = current_config()
+        if config is not None:
+            startup.check(config, platform="cuda", dtype=kwargs.get("dtype"),
+                          kv_cache_dtype=kwargs.get("kv_cache_dtype"), block_size=kwargs.get("block_size"))
+        return super().validate_configuration(*args, **kwargs)
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):  # 0.26 calls it bare, 0.32 with a spec

@@ -158,6 +158,14 @@ def engine_limits(vllm_config) -> tuple[int, int]:
     return rows, int(vllm_config.model_config.max_model_len)
 
 
+def block_table_width(vllm_config, page_size: int) -> int:
+    """Kernel blocks of ``page_size`` tokens in a row of vLLM's block table (the width the plans
+    are made for): ``ceil(max_model_len / block_size) * block_size / page_size``."""
+    bs = int(vllm_config.cache_config.block_size or page_size)
+    max_len = int(vllm_config.model_config.max_model_len)
+    return -(-max_len // bs) * max(bs // page_size, 1)
+
+
 def check_engine(vllm_config) -> None:
     """Engine features the LOCKS builder does not support: a ValueError naming the setting."""
     if getattr(vllm_config, "speculative_config", None) is not None:

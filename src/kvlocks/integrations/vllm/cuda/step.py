@@ -33,6 +33,7 @@ from kvlocks import env
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.vllm.compat import VllmCompatError
 from kvlocks.integrations.vllm.cuda.store import CudaSummaryStore
+from kvlocks.integrations.vllm.sinks import apply_sinks
 from kvlocks.plan import DecodePlan, paged_score, paged_select
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,15 @@ class PlanPool:
         for _, size in self.chunks(shape, n):
             self.get(shape, size)
 
+    def reserve(self, shape: tuple, rows: int) -> int:
+        """Make every plan a batch of up to ``rows`` rows can use (during vLLM's profiling run, so
+        that vLLM counts them as non-KV memory); returns the bytes of this shape's plans."""
+        size, top = 1, min(self.cap(shape), max(rows, 1))
+        while size <= top:
+            self.get(shape, size)
+            size *= 2
+        return sum(_tensor_bytes(p) for (sh, _), p in self.plans.items() if sh == shape)
+
     def get(self, shape: tuple, size: int, *, create: bool = True) -> DecodePlan:
         key = (shape, size)
         if key not in self.plans:
@@ -159,12 +169,14 @@ class LocksDecoder:
     pool : the process's PlanPool
     layer : decoder layer number (traces)
     backend : kernels' backend (None: Triton on CUDA)
+    sinks : learned sink logits ``[Hq]`` of this layer, or None (:mod:`kvlocks.integrations.vllm.sinks`)
     """
 
     def __init__(self, config: LocksConfig, *, num_kv_heads: int, group: int, head_dim: int, scale: float,
-                 pool: PlanPool, layer: int | None = None, backend: str | None = None) -> None:
+                 pool: PlanPool, layer: int | None = None, backend: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         self.config, self.hkv, self.g, self.d, self.scale = config, num_kv_heads, group, head_dim, scale
-        self.pool, self.layer, self.backend = pool, layer, backend
+        self.pool, self.layer, self.backend, self.sinks = pool, layer, backend, sinks
         self.store: CudaSummaryStore | None = None
         self._store_key = None
         self.trace_path = env.get("KVLOCKS_VLLM_TRACE")
@@ -228,8 +240,10 @@ class LocksDecoder:
         for start, size in self.pool.chunks(shape, b):
             sl = slice(start, start + size)
             plan = self.pool.get(shape, size, create=create)
-            plan.run(query[sl], k_cache, v_cache, store.summaries, step.block_table[sl], step.seq_lens[sl],
-                     out=output[sl])
+            _, lse = plan.run(query[sl], k_cache, v_cache, store.summaries, step.block_table[sl], step.seq_lens[sl],
+                              out=output[sl])
+            if self.sinks is not None:
+                apply_sinks(output[sl], lse, self.sinks)
             if trace is not None:
                 self._trace_rows(step, query, sl, plan.pages, *trace)
 
@@ -271,7 +285,9 @@ class LocksDecoder:
         for start, size in self.pool.chunks(shape, rows.numel()):
             sl = slice(start, start + size)
             plan = self.pool.get(shape, size)
-            out, _ = plan.run(q[sl], k_cache, v_cache, store.summaries, bt[sl], lens[sl])
+            out, lse = plan.run(q[sl], k_cache, v_cache, store.summaries, bt[sl], lens[sl])
+            if self.sinks is not None:
+                out = apply_sinks(out, lse, self.sinks)
             output[tok[sl]] = out
             if self.trace_path:
                 ref_pages, ranking = self._reference(q[sl], self.store, bt[sl], lens[sl])
