@@ -10,9 +10,9 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlocks.compaction import CompactionConfig, compact_head, compact_layer, exact_attention
 from kvlocks.compaction import batched
-from kvlocks.compaction.capture import _GrowingLayer
+from kvlocks.integrations.hf.compaction.capture import _GrowingLayer
 from kvlocks.compaction.fold import fold_direction
-from kvlocks.compaction.passes import QueryPass, repeat_pass, repeat_spans
+from kvlocks.integrations.hf.compaction.passes import QueryPass, repeat_pass, repeat_spans
 from kvlocks.compaction.select import attention_scores
 from kvlocks.compaction.values import refit_values
 
@@ -168,7 +168,7 @@ def test_shared_fits_equal_each_method_alone():
 
 
 def test_pool_keeps_question_rows_whole():
-    from kvlocks.compaction.capture import _rows, is_question, pool
+    from kvlocks.integrations.hf.compaction.capture import _rows, is_question, pool
 
     ctx = torch.arange(2 * 30 * 1, dtype=torch.float32).reshape(2, 30, 1)  # [Hkv, 30, 1]
     qst = -1.0 - torch.arange(2 * 4 * 1, dtype=torch.float32).reshape(2, 4, 1)  # [Hkv, 4, 1]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.compaction.capture import capture_queries
-from kvlocks.compaction.capture_batch import groups
-from kvlocks.compaction.passes import QueryPass
+from kvlocks.integrations.hf.compaction.capture import capture_queries
+from kvlocks.integrations.hf.compaction.capture_batch import groups
+from kvlocks.integrations.hf.compaction.passes import QueryPass
 
 
 def _tiny():

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from kvlocks.compaction.config import CompactionConfig
 from kvlocks.compaction.estimate import DEFAULT_RATIO, QUESTION_RETENTION, RETENTION, estimate_seconds, tradeoff_lines
-from kvlocks.compaction.passes import ReferenceConfig
+from kvlocks.integrations.hf.compaction.passes import ReferenceConfig
 from kvlocks.corpus import natural_units
 
 pytestmark = pytest.mark.model
@@ -41,7 +41,7 @@ def test_answer_prefix_follows_each_question_as_generate_appends_it():
     import copy
 
     from kvlocks.chat import next_user_turn
-    from kvlocks.compaction.passes import reference_passes
+    from kvlocks.integrations.hf.compaction.passes import reference_passes
     from kvlocks.models import load
 
     _, tok = load("smollm2-135m")

@@ -16,10 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache
 
-from kvlocks.compaction import CompactionConfig, cachefile, serve
-from kvlocks.compaction.capture import capture_queries
-from kvlocks.compaction.model import compact_capture
-from kvlocks.compaction.passes import QueryPass
+from kvlocks.compaction import CompactionConfig, cachefile
+from kvlocks.integrations.hf.compaction import serve
+from kvlocks.integrations.hf.compaction.capture import capture_queries
+from kvlocks.integrations.hf.compaction.model import compact_capture
+from kvlocks.integrations.hf.compaction.passes import QueryPass
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import cache_kwargs
 from kvlocks.hybrid import layer_windows

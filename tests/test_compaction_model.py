@@ -19,11 +19,13 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from kvlocks.compaction import CompactionConfig, exact_attention
-from kvlocks.compaction import attention as compact_attn
-from kvlocks.compaction import cachefile, serve
-from kvlocks.compaction.capture import capture_queries
-from kvlocks.compaction.model import check_model, compact_capture
-from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
+from kvlocks.compaction import cachefile
+from kvlocks.integrations.hf.compaction import attention as compact_attn
+from kvlocks.integrations.hf.compaction import serve
+from kvlocks.integrations.hf.compaction.capture import capture_queries
+from kvlocks.compaction.prefix import check_model
+from kvlocks.integrations.hf.compaction.model import compact_capture
+from kvlocks.integrations.hf.compaction.passes import QueryPass, ReferenceConfig, reference_passes
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import cache_kwargs
 from kvlocks.corpus import natural_units
@@ -205,7 +207,7 @@ def test_layers_fitted_together_equal_layers_fitted_alone(setup):
     """The GPU path stacks several layers' KV heads into one batched fit (layer_chunks): every
     layer's result is what fitting it alone gives (same kept positions, keys and values to float
     rounding), here on the CPU with three layers stacked."""
-    from kvlocks.compaction.model import fit_chunk, layer_chunks
+    from kvlocks.integrations.hf.compaction.model import fit_chunk, layer_chunks
 
     cap, cfg = setup["ref_cap"], CompactionConfig(method="fold", ratio=0.1, max_queries=512)
     t = cfg.budget(cap.prefix_len)
@@ -247,7 +249,7 @@ def test_bias_attention_matches_explicit_softmax():
 
 
 def test_recorder_keeps_the_same_rows_however_a_pass_is_chunked():
-    from kvlocks.compaction.capture import QueryRecorder
+    from kvlocks.integrations.hf.compaction.capture import QueryRecorder
 
     q = torch.randn(1, 6, 50, 4)  # [1, Hq, L, D], Hkv = 2
     kept = []
@@ -296,8 +298,8 @@ def test_importing_the_compaction_modules_registers_nothing():
         "from transformers import AttentionInterface\n"
         "from transformers.masking_utils import AttentionMaskInterface\n"
         "before = (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping))\n"
-        "import kvlocks.compaction.attention, kvlocks.compaction.capture, kvlocks.compaction.model\n"
-        "import kvlocks.compaction.cachefile, kvlocks.compaction.serve, kvlocks.compaction.passes\n"
+        "import kvlocks.integrations.hf.compaction.attention, kvlocks.integrations.hf.compaction.capture, kvlocks.integrations.hf.compaction.model\n"
+        "import kvlocks.compaction.cachefile, kvlocks.integrations.hf.compaction.serve, kvlocks.integrations.hf.compaction.passes\n"
         "import kvlocks.commands.compact\n"
         "after = (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping))\n"
         "assert before == after and 'kvlocks_compact' not in AttentionInterface._global_mapping\n"

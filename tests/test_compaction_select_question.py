@@ -10,7 +10,7 @@ import torch
 from kvlocks.compaction import CompactionConfig
 from kvlocks.compaction.api import compact_head, compact_layer
 from kvlocks.compaction.batched import prepare_layer, question_pass
-from kvlocks.compaction.capture import Capture
+from kvlocks.integrations.hf.compaction.capture import Capture
 from kvlocks.compaction.select import (
     attention_scores, guarded_top_t, question_scores, guard_slots, select_attention,
 )

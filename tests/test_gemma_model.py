@@ -114,9 +114,10 @@ def test_compacted_prefix_keeps_a_planted_key(model_tok, tmp_path):
     last 511 tokens kept): the compacted file answers the planted key as the original context does.
     A base model's question pass is the question exactly as `kvlocks generate --prompt` feeds it
     (wrapped in blank lines it continued on a new line, and every ratio lost the key)."""
-    from kvlocks.compaction import CompactionConfig, cachefile, serve
-    from kvlocks.compaction.model import compact_prefix
-    from kvlocks.compaction.passes import ReferenceConfig
+    from kvlocks.compaction import CompactionConfig, cachefile
+    from kvlocks.integrations.hf.compaction import serve
+    from kvlocks.integrations.hf.compaction.model import compact_prefix
+    from kvlocks.integrations.hf.compaction.passes import ReferenceConfig
 
     model, tok = model_tok
     ids = _text_ids(tok, 700)

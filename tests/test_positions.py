@@ -133,8 +133,8 @@ def test_generate_refuses_or_truncates_on_request(tiny_dir, capsys):
 
 
 def test_compaction_refuses_a_prefix_whose_passes_run_past_the_positions():
-    from kvlocks.compaction.capture import capture_queries
-    from kvlocks.compaction.passes import QueryPass
+    from kvlocks.integrations.hf.compaction.capture import capture_queries
+    from kvlocks.integrations.hf.compaction.passes import QueryPass
 
     model = _tiny(96)
     ids = torch.randint(0, 128, (1, 80))
@@ -149,8 +149,8 @@ def test_compaction_refuses_a_prefix_whose_passes_run_past_the_positions():
 
 
 def test_repeat_spans_past_the_positions_run_at_the_last_positions_that_fit():
-    from kvlocks.compaction.capture import _fit_positions
-    from kvlocks.compaction.passes import repeat_pass
+    from kvlocks.integrations.hf.compaction.capture import _fit_positions
+    from kvlocks.integrations.hf.compaction.passes import repeat_pass
 
     model = _tiny(96)
     head, prefix = torch.randint(0, 128, (1, 3)), torch.randint(0, 128, (1, 60))

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from kvlocks.compaction import batched, exact_attention
-from kvlocks.compaction.capture import capture_queries
+from kvlocks.integrations.hf.compaction.capture import capture_queries
 from kvlocks.compaction.config import CompactionConfig
-from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
+from kvlocks.integrations.hf.compaction.passes import QueryPass, ReferenceConfig, reference_passes
 from kvlocks.compaction.select import coverage_scores, guarded_top_t, guard_slots
 
 RULES = ("rms", "max", "leverage", "rms+leverage_0.25", "rms+leverage_0.5")

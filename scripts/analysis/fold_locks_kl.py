@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import kvlocks_lab.eval.runner as runner
-from kvlocks.compaction import serve
+from kvlocks.integrations.hf.compaction import serve
 from kvlocks.config import LocksConfig
 from kvlocks_lab.eval.compacted import CompactionSettings, RecordCompactions
 from kvlocks.integrations.hf.decode import prefill, step

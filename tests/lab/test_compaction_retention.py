@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvlocks.compaction.passes import ReferenceConfig, reference_passes
+from kvlocks.integrations.hf.compaction.passes import ReferenceConfig, reference_passes
 from kvlocks_lab.compaction_study import retention
 from kvlocks_lab.compaction_study.retention_report import aggregate, write_summary
 
@@ -75,7 +75,7 @@ def test_one_record_end_to_end(model_tok, tmp_path):
     args = argparse.Namespace(self_study_tokens=2, queries=["default", "question"], max_queries=128,
                               seed=0, methods=["am", "rank1", "fold"], query_methods=["fold"],
                               ratios=[0.5], selections=["guarded", "plain"])
-    from kvlocks.compaction.model import model_info
+    from kvlocks.compaction.prefix import model_info
 
     rows = retention.study_record(model, tok, record, args, model_info(model))
     by = {(r["queries"], r.get("selection"), r["method"]): r for r in rows}

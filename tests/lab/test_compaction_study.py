@@ -14,7 +14,7 @@ import torch
 from kvlocks.compaction import CompactionConfig, compact_head, compact_layer, fit_bias
 from kvlocks.compaction.api import CompactedHead
 from kvlocks.compaction.bias import mass_design, partition_targets
-from kvlocks.compaction.capture import Capture
+from kvlocks.integrations.hf.compaction.capture import Capture
 from kvlocks_lab.compaction_study.config import StudyConfig
 from kvlocks_lab.compaction_study.heads import compact_methods, prepare_head
 from kvlocks_lab.compaction_study.measure import QU_EDGES, qu_histogram
@@ -201,8 +201,8 @@ def test_tiny_study_schema_and_files(tiny_study):
 @pytest.mark.model
 def test_tiny_study_fold_errors_match_a_direct_recomputation(tiny_study):
     """Re-capture, compact with the per-method path and compute errors by explicit softmax."""
-    from kvlocks.compaction.capture import capture_queries
-    from kvlocks.compaction.passes import ReferenceConfig, reference_passes
+    from kvlocks.integrations.hf.compaction.capture import capture_queries
+    from kvlocks.integrations.hf.compaction.passes import ReferenceConfig, reference_passes
     from kvlocks_lab.eval.tasks import generate
 
     model, tok, cfg, out, summary = tiny_study

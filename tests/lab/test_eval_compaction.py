@@ -113,7 +113,7 @@ def rc(model_tok, prefix_ids):
 
 @pytest.mark.model
 def test_am_drop_rank1_from_one_fit_equal_direct_compaction(model_tok, prefix_ids, rc):
-    from kvlocks.compaction.model import compact_capture
+    from kvlocks.integrations.hf.compaction.model import compact_capture
 
     model, tok = model_tok
     with torch.inference_mode():
@@ -132,7 +132,7 @@ def test_am_drop_rank1_from_one_fit_equal_direct_compaction(model_tok, prefix_id
 
 @pytest.mark.model
 def test_fits_are_saved_reloaded_without_refitting_and_cleaned_up(model_tok, prefix_ids, tmp_path, monkeypatch):
-    import kvlocks.compaction.model as cmodel
+    import kvlocks.integrations.hf.compaction.model as cmodel
 
     model, tok = model_tok
     with torch.inference_mode():
@@ -155,7 +155,7 @@ def test_fits_are_saved_reloaded_without_refitting_and_cleaned_up(model_tok, pre
 @pytest.mark.model
 def test_decoding_over_a_compacted_cache_continues_at_position_T(model_tok, prefix_ids, rc):
     """Token-by-token steps over the served cache give serve.generate's greedy tokens (ratio 0.5)."""
-    from kvlocks.compaction import serve
+    from kvlocks.integrations.hf.compaction import serve
     from kvlocks.integrations.hf.decode import step
     from kvlocks_lab.eval.shared_prefill import SharedPrefill
 
@@ -232,7 +232,7 @@ def test_fork_of_a_locks_cache_over_a_compacted_prefix_continues_at_position_T(m
     stock SDPA over the plain compacted cache (an independent path: DynamicCache, deep copy)."""
     import copy
 
-    from kvlocks.compaction import serve
+    from kvlocks.integrations.hf.compaction import serve
     from kvlocks.config import LocksConfig
     from kvlocks.integrations.hf.decode import step
     from kvlocks_lab.eval.shared_prefill import fork_cache

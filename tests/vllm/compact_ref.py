@@ -27,12 +27,12 @@ def bad_files(src: Path, out: Path) -> dict[str, str]:
 
 
 def run(spec: dict) -> dict:
-    from kvlocks.compaction import serve
+    from kvlocks.integrations.hf.compaction import serve
     from kvlocks.integrations.hf import cache_kwargs
     from kvlocks.compaction.cachefile import save
     from kvlocks.compaction.config import CompactionConfig
-    from kvlocks.compaction.model import compact_prefix
-    from kvlocks.compaction.passes import ReferenceConfig
+    from kvlocks.integrations.hf.compaction.model import compact_prefix
+    from kvlocks.integrations.hf.compaction.passes import ReferenceConfig
     from kvlocks.models import load
 
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
     import torch
 
-    from kvlocks.compaction import serve
+    from kvlocks.integrations.hf.compaction import serve
     from kvlocks.integrations.hf import cache_kwargs
     from kvlocks.models import load
 

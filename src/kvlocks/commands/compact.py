@@ -87,9 +87,9 @@ def _prefix_ids(text: str, args, tok):
 
 def run(args) -> int:
     from kvlocks.compaction.cachefile import save
-    from kvlocks.compaction.passes import ReferenceConfig
+    from kvlocks.integrations.hf.compaction.passes import ReferenceConfig
     from kvlocks.compaction.config import CompactionConfig
-    from kvlocks.compaction.model import compact_prefix
+    from kvlocks.integrations.hf.compaction.model import compact_prefix
     from kvlocks.hybrid import layer_windows
 
     config = CompactionConfig(method=args.method, ratio=args.ratio, selection=args.selection,

@@ -237,7 +237,7 @@ def run(args) -> int:
         return _run_engine(args, model, tok, enc.input_ids, config)
     inputs, prefix = dict(enc), None
     if args.cache is not None:  # continue after a compacted prefix: positions start at its T
-        from kvlocks.compaction.serve import continuation_inputs, open_cache
+        from kvlocks.integrations.hf.compaction.serve import continuation_inputs, open_cache
 
         cache = open_cache(model, args.cache, method=args.method, config=config)
         inputs = continuation_inputs(cache, enc.input_ids)

@@ -2,7 +2,8 @@
 
 See ``docs/compaction.md`` and "Folding Attention Biases into Keys Makes Compacted KV Caches Run on
 Standard Kernels" (Kanwat, arXiv, 2026). Entry points:
-:func:`compact_head` and :func:`compact_layer`; the building blocks are exported for studies.
+:func:`compact_head` and :func:`compact_layer`; the building blocks are exported for studies. A whole
+model's capture, compaction and serving: :mod:`kvlocks.integrations.hf.compaction`.
 """
 
 from .api import CompactedHead, CompactedLayer, compact_head, compact_layer, subsample_queries

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import METHODS, CompactionConfig
-from .model import CompactedPrefix, ModelInfo, check_model
+from .prefix import CompactedPrefix, ModelInfo, check_model
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ def estimate_seconds(num_tokens: int, kept: int, *, max_queries: int = 4096, rep
     max_queries : int
         Reference queries per KV head (n).
     repeat_tokens, repeat_span : int
-        As in :class:`~.passes.ReferenceConfig`.
+        As in :class:`~kvlocks.integrations.hf.compaction.passes.ReferenceConfig`.
     decode_steps : int
         Single-token forwards of the self-study passes (prompts plus answers).
     layer_heads : int

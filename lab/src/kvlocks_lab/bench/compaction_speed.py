@@ -16,8 +16,8 @@ as it runs them, several layers' heads in one batched fit on a GPU; method ``--m
   (``repeat_tokens = T``): what the capture's other changes alone gain. It reaches position
   2T + 12, so T = 4,096 is refused on the bundled model's 8,192 positions;
 * ``after_sequential`` (with ``--sequential``): this tree with the generating passes (self-study,
-  questions) run one after another instead of as one batch (:mod:`kvlocks.compaction.capture_batch`);
-* ``after``: this tree's defaults (the repeat pass in spans, :mod:`kvlocks.compaction.passes`).
+  questions) run one after another instead of as one batch (:mod:`kvlocks.integrations.hf.compaction.capture_batch`);
+* ``after``: this tree's defaults (the repeat pass in spans, :mod:`kvlocks.integrations.hf.compaction.passes`).
 
 The model runs on ``--device`` in ``--dtype``; the captured keys, values and queries are float32
 and every layer's fit runs on the same device (as ``kvlocks compact --device`` does), timed
@@ -69,8 +69,10 @@ def library_at(rev: str):
     pkg = root / "kvlocks_before" / "compaction"
     pkg.mkdir(parents=True)
     (pkg.parent / "__init__.py").write_text("")
-    for path in _git("ls-tree", "--name-only", rev, "src/kvlocks/compaction/").split():
-        (pkg / Path(path).name).write_text(_git("show", f"{rev}:{path}"))
+    for folder in ("src/kvlocks/compaction/", "src/kvlocks/integrations/hf/compaction/"):  # capture, passes, model
+        for path in _git("ls-tree", "--name-only", rev, folder).split():
+            if Path(path).name != "__init__.py" or folder.endswith("/kvlocks/compaction/"):
+                (pkg / Path(path).name).write_text(_git("show", f"{rev}:{path}"))
     sys.path.insert(0, str(root))
     return importlib.import_module("kvlocks_before.compaction")
 
@@ -98,11 +100,17 @@ def prose_ids(tok, tokens: int, skip: int = 0) -> torch.Tensor:
     return ids
 
 
+def _part(lib, name: str):
+    """``lib``'s module ``name``; this tree keeps capture, passes and model in :mod:`kvlocks.integrations.hf.compaction`."""
+    import kvlocks.compaction
+
+    return importlib.import_module(f"{'kvlocks.integrations.hf.compaction' if lib is kvlocks.compaction else lib.__name__}.{name}")
+
+
 def capture(lib, model, tok, ids, cfg, reference, extra=(), **kw):
     """``lib``'s capture of ``ids`` with ``reference``'s passes (plus ``extra``), seconds per pass;
     ``kw`` goes to its ``capture_queries``."""
-    cap_mod = importlib.import_module(lib.__name__ + ".capture")
-    pass_mod = importlib.import_module(lib.__name__ + ".passes")
+    cap_mod, pass_mod = _part(lib, "capture"), _part(lib, "passes")
     marks: list[tuple[str, float]] = []
     cap = cap_mod.capture_queries(model, ids, pass_mod.reference_passes(tok, ids, reference) + list(extra),
                                   max_queries=cfg.max_queries, seed=cfg.seed,
@@ -145,7 +153,7 @@ def _on_cpu(layer):
 def _chunks(lib, cap, cfg, t: int, dev: torch.device) -> list[list[int]]:
     """The layers ``lib`` fits together on ``dev`` (``kvlocks compact``'s chunks; one layer at a time
     for a library without them)."""
-    model_mod = importlib.import_module(lib.__name__ + ".model")
+    model_mod = _part(lib, "model")
     if hasattr(model_mod, "layer_chunks") and hasattr(model_mod, "fit_chunk"):
         return model_mod.layer_chunks(cap, t, cfg, dev)
     return [[i] for i in range(len(cap.keys))]
@@ -153,7 +161,7 @@ def _chunks(lib, cap, cfg, t: int, dev: torch.device) -> list[list[int]]:
 
 def _fit(lib, cap, chunk: list[int], cfg, t: int, dev: torch.device, timings: dict | None) -> list:
     """Per layer of ``chunk``: ``lib``'s CompactedLayer (or a stand-in with its serving fields)."""
-    model_mod = importlib.import_module(lib.__name__ + ".model")
+    model_mod = _part(lib, "model")
     if not hasattr(model_mod, "fit_chunk"):
         (i,) = chunk
         k, v, q = cap.keys[i].to(dev, torch.float32), cap.values[i].to(dev, torch.float32), cap.queries[i].to(dev)
@@ -201,7 +209,7 @@ def _comparison(runs, indices, summary_runs, compared) -> dict:
 
 def run(args) -> dict:
     import kvlocks.compaction as after_lib
-    from kvlocks.compaction.passes import QueryPass, ReferenceConfig
+    from kvlocks.integrations.hf.compaction.passes import QueryPass, ReferenceConfig
     from kvlocks.models import load
     from kvlocks_lab.compaction_study.summary import commit, versions
 

@@ -21,8 +21,8 @@ from transformers import DynamicCache
 
 from kvlocks.integrations.hf import cache_kwargs
 
-from kvlocks.compaction import attention
-from kvlocks.compaction.capture import PASS_CHUNK, Capture, QueryRecorder, RecordingCache, pool
+from kvlocks.integrations.hf.compaction import attention
+from kvlocks.integrations.hf.compaction.capture import PASS_CHUNK, Capture, QueryRecorder, RecordingCache, pool
 
 
 @dataclass(frozen=True)

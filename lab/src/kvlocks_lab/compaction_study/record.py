@@ -25,10 +25,10 @@ import torch
 from kvlocks_lab.eval.metrics import top1_agreement
 from kvlocks_lab.eval.tasks import TaskRecord, score
 
-from kvlocks.compaction.capture import capture_queries
-from kvlocks.compaction.model import CompactedPrefix, model_info
-from kvlocks.compaction.passes import ReferenceConfig, reference_passes
-from kvlocks.compaction.serve import to_cache
+from kvlocks.integrations.hf.compaction.capture import capture_queries
+from kvlocks.compaction.prefix import CompactedPrefix, model_info
+from kvlocks.integrations.hf.compaction.passes import ReferenceConfig, reference_passes
+from kvlocks.integrations.hf.compaction.serve import to_cache
 from .config import StudyConfig
 from .decode import continue_record, greedy, teacher_forced
 from .heads import compact_methods, prepare_head

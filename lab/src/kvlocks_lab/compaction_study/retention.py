@@ -16,7 +16,7 @@ metric) and its next-token distributions along that answer (teacher-forced). For
 set, every layer is prepared once (:func:`kvlocks.compaction.batched.prepare_layer`) and
 compacted at every ratio with the set's methods sharing their fits
 (:func:`~kvlocks.compaction.batched.compact_prepared`); each prefix is served
-(:func:`kvlocks.compaction.serve.to_cache`) and continued as in the study: KL to full over
+(:func:`kvlocks.integrations.hf.compaction.serve.to_cache`) and continued as in the study: KL to full over
 full's answer tokens, the method's own greedy answer and its score. ``carriers_kept``: the
 share of (layer, KV head) that keep every context token of the answer (the needle's digits).
 
@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 
 from kvlocks.compaction import batched
-from kvlocks.compaction.capture import capture_queries
+from kvlocks.integrations.hf.compaction.capture import capture_queries
 from kvlocks.compaction.config import CompactionConfig
-from kvlocks.compaction.model import CompactedPrefix, identity_layer, model_info
-from kvlocks.compaction.passes import QueryPass, ReferenceConfig, reference_passes
-from kvlocks.compaction.serve import to_cache
+from kvlocks.compaction.prefix import CompactedPrefix, identity_layer, model_info
+from kvlocks.integrations.hf.compaction.passes import QueryPass, ReferenceConfig, reference_passes
+from kvlocks.integrations.hf.compaction.serve import to_cache
 from kvlocks.hybrid import layer_windows
 from kvlocks_lab.eval.metrics import top1_agreement
 from kvlocks_lab.eval.tasks import generate, score

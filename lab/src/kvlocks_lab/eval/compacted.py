@@ -2,7 +2,7 @@
 
 Per record, the context prefix (everything before the question) is compacted once per
 compaction source and ratio, and every method decodes the rest of the record over a plain
-transformers cache built from it (:func:`kvlocks.compaction.serve.to_cache`), continuing at
+transformers cache built from it (:func:`kvlocks.integrations.hf.compaction.serve.to_cache`), continuing at
 logical position T.
 
 Cost control (compaction takes minutes per record at 4K+ on a CPU):
@@ -68,7 +68,7 @@ class CompactionSettings(ConfigIO):
         return CompactionConfig(method=method, ratio=ratio, max_queries=self.max_queries, seed=self.seed)
 
     def reference(self):
-        from kvlocks.compaction.passes import ReferenceConfig
+        from kvlocks.integrations.hf.compaction.passes import ReferenceConfig
 
         return ReferenceConfig(self_study_tokens=self.self_study_tokens)
 
@@ -79,7 +79,7 @@ def source_of(method: str) -> str:
 
 
 def derive(am_prefix, method: str):
-    """``am``'s :class:`~kvlocks.compaction.model.CompactedPrefix` as ``method`` (am, drop, rank1)."""
+    """``am``'s :class:`~kvlocks.compaction.prefix.CompactedPrefix` as ``method`` (am, drop, rank1)."""
     if am_prefix.method != "am":
         raise ValueError(f"derive needs an 'am' prefix, got {am_prefix.method!r}")
     if method == "am":
@@ -94,7 +94,7 @@ def derive(am_prefix, method: str):
 
 
 def _bare_reference():
-    from kvlocks.compaction.passes import ReferenceConfig
+    from kvlocks.integrations.hf.compaction.passes import ReferenceConfig
 
     return ReferenceConfig(repeat=False, self_study=())
 
@@ -135,8 +135,8 @@ class RecordCompactions:
         needs the prefix K/V, so if no capture exists yet a bare prefill is recorded instead."""
         if self._capture is not None:
             return self._capture
-        from kvlocks.compaction.capture import capture_queries
-        from kvlocks.compaction.passes import reference_passes
+        from kvlocks.integrations.hf.compaction.capture import capture_queries
+        from kvlocks.integrations.hf.compaction.passes import reference_passes
 
         self.progress("prefilling" if keep_all else "capturing reference queries")
         passes = [] if keep_all else reference_passes(self.tokenizer, self.ids, self.settings.reference())
@@ -171,7 +171,7 @@ class RecordCompactions:
         path = self._path(source, ratio)
         prefix = self._load(path, config)
         if prefix is None:
-            from kvlocks.compaction.model import compact_capture
+            from kvlocks.integrations.hf.compaction.model import compact_capture
 
             keep_all = config.budget(self.ids.shape[1]) == self.ids.shape[1]
             capture = self.capture(keep_all=keep_all)
@@ -192,7 +192,7 @@ class RecordCompactions:
         return prefix
 
     def get(self, method: str, ratio: float):
-        """The :class:`~kvlocks.compaction.model.CompactedPrefix` of ``method`` at ``ratio``."""
+        """The :class:`~kvlocks.compaction.prefix.CompactedPrefix` of ``method`` at ``ratio``."""
         prefix = self._fit(source_of(method), ratio)
         return derive(prefix, method) if method in DERIVED_FROM_AM else prefix
 

@@ -74,7 +74,7 @@ class SharedPrefill:
             return Opened(cache=cache, stats=cache.stats.summary)
         if self.compactions is None:
             raise ValueError(f"method {spec.name!r} needs compaction settings (RecordCompactions)")
-        from kvlocks.compaction import attention, serve
+        from kvlocks.integrations.hf.compaction import attention, serve
 
         prefix = self.compactions.get(spec.base, spec.ratio)
         model = self.model

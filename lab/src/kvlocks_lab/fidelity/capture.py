@@ -7,7 +7,7 @@ and the post-RoPE queries of the last ``Q`` positions, kept per query head (quer
 single teacher-forced pass as in token-by-token decoding, so these are decode-time queries.
 
 Queries are recorded by the compaction package's ``"kvlocks_compact"`` attention function
-through the keys of its :class:`~kvlocks.compaction.capture.RecordingCache` (no hooks, nothing
+through the keys of its :class:`~kvlocks.integrations.hf.compaction.capture.RecordingCache` (no hooks, nothing
 patched; the model's attention implementation is restored afterwards); the recorder here keeps
 the last ``Q`` positions of every query head instead of a pooled subsample.
 
@@ -174,8 +174,8 @@ def capture_prompt(model, prompt, *, queries: int, page_size: int) -> Activation
     queries : Q, positions at the end of ``prompt.ids`` whose queries are kept
     page_size : S (``prompt.prefix_len`` must be a multiple)
     """
-    from kvlocks.compaction import attention as compact_attention
-    from kvlocks.compaction.capture import RecordingCache
+    from kvlocks.integrations.hf.compaction import attention as compact_attention
+    from kvlocks.integrations.hf.compaction.capture import RecordingCache
 
     text = model.config.get_text_config(decoder=True)
     if len(prompt.ids) - prompt.prefix_len < queries:

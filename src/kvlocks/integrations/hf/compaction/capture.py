@@ -134,7 +134,7 @@ class Capture:
         Cap and seed the queries were pooled with.
     questions : tuple of Tensor [Hkv, m, D], float32, or None
         The rows of the question passes among ``queries`` (kept whole by the pool), for the
-        selection's question guard (:mod:`.select`); None without question passes.
+        selection's question guard (:mod:`kvlocks.compaction.select`); None without question passes.
     """
 
     keys: tuple[torch.Tensor, ...]

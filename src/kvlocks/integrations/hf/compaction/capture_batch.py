@@ -8,7 +8,7 @@ for one token. As the B rows of one batch (the prefix's K/V repeated B times, ea
 own positions T.., shorter prompts padded at their end and masked out, every row decoding its
 own greedy tokens) the same passes take ``generate`` forwards instead of ``B * generate``.
 
-Every pass records the rows it records alone (:class:`~kvlocks.compaction.recorder.QueryRecorder`
+Every pass records the rows it records alone (:class:`~kvlocks.integrations.hf.compaction.recorder.QueryRecorder`
 runs them as batch rows with the seeds they have in sequence, padding skipped); the numbers
 differ from the sequential run's only by float rounding in batched products.
 """

@@ -8,7 +8,7 @@ tokens spread evenly over it, ``repeat_tokens`` in all, each run on the prefix a
 the instruction, at the positions it has in the whole repeat (the instruction right before
 it): every repeated token sits at the same distance from its original as in the whole repeat.
 That repeat reaches position 2T + L, past a model's positions from T = 4,090 on the bundled model
-(8,192): :func:`kvlocks.compaction.capture.capture_queries` runs such spans at the last positions
+(8,192): :func:`kvlocks.integrations.hf.compaction.capture.capture_queries` runs such spans at the last positions
 that fit instead (still after the prefix, closer to their originals).
 The pass keeps at most ``max_queries`` query rows anyway (1,365 tokens of the bundled model's
 G = 3 at the default 4,096), so a whole repeat computes a forward pass over T tokens and keeps

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from kvlocks.compaction.prefix import CompactedPrefix, check_model
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.hf import LocksCache
 
 from . import attention
-from .model import CompactedPrefix, check_model
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ class PrefixLayer(DynamicLayer):
         if self.bias is not None and not self.bias_consumed:
             raise RuntimeError(
                 "this cache carries a logit bias that the previous forward did not apply: run the "
-                f"model with attention {attention.ATTN_NAME!r} (kvlocks.compaction.serve.to_cache "
-                "switches it, or call kvlocks.compaction.attention.enable(model))")
+                f"model with attention {attention.ATTN_NAME!r} (kvlocks.integrations.hf.compaction.serve.to_cache "
+                "switches it, or call kvlocks.integrations.hf.compaction.attention.enable(model))")
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if self.bias is not None:
             self.bias_consumed = False
@@ -189,7 +189,7 @@ def open_cache(model, path: str | Path, *, method: str = "full",
     ``method="full"`` with a biased (``am``/``rank1``) file gives a :class:`CompactedCache`;
     otherwise a :class:`CompactedLocksCache` with ``method`` (dense ``"full"`` or a selector).
     """
-    from .cachefile import load
+    from kvlocks.compaction.cachefile import load
 
     prefix = load(path, model)
     if prefix.has_bias:

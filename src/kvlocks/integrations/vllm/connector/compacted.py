@@ -18,7 +18,7 @@ identical. :func:`compacted_request` builds both parts.
 scheduler); the worker loads the whole file with :func:`kvlocks.compaction.cachefile.load`, which
 validates everything (never unpickles).
 :func:`served_model_info` describes the served checkpoint in the file's terms (config hash and
-weights hash, as :func:`kvlocks.compaction.model.model_info` computes them for a transformers
+weights hash, as :func:`kvlocks.compaction.prefix.model_info` computes them for a transformers
 model) so a file made for another model is refused.
 """
 
@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 
 from kvlocks.compaction import cachefile
-from kvlocks.compaction.model import BIAS_METHODS, ModelInfo, check_info, model_info
+from kvlocks.compaction.prefix import BIAS_METHODS, ModelInfo, check_info, model_info
 
 PARAM = "kvlocks_cache"  # kv_transfer_params key naming the file
 
@@ -199,7 +199,7 @@ def served_model_info(hf_config, model_dir: str | Path) -> ModelInfo:
 
 
 def check_against(header_model: ModelInfo, served: ModelInfo, where: str) -> None:
-    """``ValueError`` unless a file's model is the served one (:func:`kvlocks.compaction.model.check_info`)."""
+    """``ValueError`` unless a file's model is the served one (:func:`kvlocks.compaction.prefix.check_info`)."""
     check_info(header_model, served, where, what="the served model")
 
 
