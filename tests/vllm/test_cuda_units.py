@@ -125,3 +125,30 @@ def test_engine_refuses_speculative_decoding():
     Cfg.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
         cuda_compat.check_engine(Cfg())
+
+
+def test_plugin_refuses_malformed_config_naming_the_variable(registry, monkeypatch):
+    monkeypatch.setattr(compat, "is_cpu_platform", lambda: False)
+    monkeypatch.setattr(cuda_compat, "is_cuda_platform", lambda: True)
+    for text, match in (("{budget: 2048}", "not valid JSON"), ('{"budget": 16}', "budget=16")):
+        monkeypatch.setenv(plugin.ENV_VAR, text)
+        with pytest.raises(ValueError, match=match):
+            plugin.register()
+    assert not registry.FLASH_ATTN.is_overridden()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"dtype": torch.float32}, "dtype=float32"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
+    ({"block_size": 8}, "block_size=8"),
+])
+def test_backend_choice_refuses_settings_instead_of_choosing_another_backend(kw, match, monkeypatch):
+    """vLLM asks each backend ``validate_configuration``; with LOCKS configured an engine-wide setting
+    FlashAttention cannot take is an error naming it, not a quiet switch to a backend without LOCKS."""
+    monkeypatch.setenv(plugin.ENV_VAR, LocksConfig(budget=256).to_json())
+    from kvlocks.integrations.vllm.cuda import backend as cb
+
+    args = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+                has_sink=False, use_sparse=False, use_mm_prefix=False, attn_type="decoder")
+    with pytest.raises(ValueError, match=match):
+        cb.LocksFlashAttentionBackend.validate_configuration(**{**args, **kw})
