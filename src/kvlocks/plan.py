@@ -29,6 +29,7 @@ from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
 from kvlocks.cache.layout import SummaryStore, paged_to_token_major
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.kernels_support import check_config, check_plan
+from kvlocks.pages import full_pages, num_pages
 from kvlocks.scoring.reference import combine_group, score_pages_from_centroids, score_pages_from_summaries
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.build import build_summaries
@@ -53,7 +54,7 @@ def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, config: LocksC
 
     query_lens, seq_lens : int ``[B]`` (tokens queried at this step; tokens in the sequence)
     """
-    pages = (seq_lens.long() + config.page_size - 1) // config.page_size
+    pages = num_pages(seq_lens.long(), config.page_size)
     return (query_lens == 1) & (pages > config.pages_per_step)
 
 
@@ -87,7 +88,7 @@ def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scal
     lse = torch.full((bsz, hkv, g), float("-inf"), device=queries.device)
     ranking = torch.full((bsz, hkv, max_pages), float("-inf"), device=queries.device)
     for b in range(bsz):
-        pc = int(seq_lens[b]) // s
+        pc = full_pages(int(seq_lens[b]), s)
         if pc == 0:
             continue
         ps = summaries.gather(block_table[b, :pc])  # leading dims [Hkv]
@@ -107,7 +108,7 @@ def _cpu_score(queries, summaries, block_table, seq_lens, *, scale, combine, cen
     s, width = (summaries.c.shape[3] if isinstance(summaries, ScoringBuffers) else summaries.page_size), \
         block_table.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    full = seq_lens.long() // s  # [B]
+    full = full_pages(seq_lens.long(), s)  # [B]
     pmax = int(full.max()) if bsz else 0
     if isinstance(summaries, ScoringBuffers):
         if pmax > summaries.pages:
@@ -136,7 +137,7 @@ def paged_select(ranking, seq_lens, *, page_size, k, sink_pages=1, recent_pages=
 
         bsz, hkv, width = ranking.shape
         lens = seq_lens.long().repeat_interleave(hkv)  # [B*Hkv]
-        ids = select_rows(ranking.reshape(bsz * hkv, width), lens // page_size, (lens + page_size - 1) // page_size,
+        ids = select_rows(ranking.reshape(bsz * hkv, width), full_pages(lens, page_size), num_pages(lens, page_size),
                           k, sink_pages=sink_pages, recent_pages=recent_pages)
         return ids.view(bsz, hkv, k)
     if backend == "triton":
@@ -148,7 +149,7 @@ def paged_select(ranking, seq_lens, *, page_size, k, sink_pages=1, recent_pages=
     out = torch.full((bsz, hkv, k), -1, dtype=torch.int32, device=ranking.device)
     for b in range(bsz):
         n = int(seq_lens[b])
-        pc, total = n // page_size, -(-n // page_size)
+        pc, total = full_pages(n, page_size), num_pages(n, page_size)
         ss = None if sink_start is None else sink_start[b].long().expand(hkv)
         ids = select_top_pages(ranking[b, :, :pc], total, k, sink_pages=sink_pages, recent_pages=recent_pages,
                                sink_start=ss)
@@ -217,7 +218,7 @@ def paged_build_new(k_cache, summaries: SummaryStore, block_table, seq_lens, con
                                solver=(options or default_kernel_options()).build_solver)
     s = k_cache.shape[1]
     filled = (seq_lens > 0) & (seq_lens % s == 0)
-    page = (seq_lens // s - 1).clamp_min(0).long()
+    page = (full_pages(seq_lens, s) - 1).clamp_min(0).long()
     phys = block_table.gather(1, page[:, None])[:, 0]
     paged_build(k_cache, summaries, phys[filled], config, backend="torch")
 

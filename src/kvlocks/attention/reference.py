@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from kvlocks.pages import num_pages
 from kvlocks._checks import (
     check_bool_tensor, check_index_tensor, check_positive_int, check_same, check_same_device, check_scale,
     check_tensor,
@@ -66,7 +67,7 @@ def sparse_decode(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     check_index_tensor("page_ids", page_ids)
     check_same_device(keys=keys, page_ids=page_ids)
     n, d = keys.shape[-2], keys.shape[-1]
-    total = -(-n // page_size)
+    total = num_pages(n, page_size)
     if page_ids.shape[:-1] != keys.shape[:-2]:
         raise ValueError(f"page_ids leading dims {tuple(page_ids.shape[:-1])} != keys' {tuple(keys.shape[:-2])}")
     if page_ids.numel() and bool(((page_ids < 0) | (page_ids >= total)).any()):  # one host sync

@@ -20,6 +20,7 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.kernels_support import check_config
+from kvlocks.pages import num_pages
 from kvlocks.summary.types import PageSummaries
 
 
@@ -125,7 +126,7 @@ def token_major_to_paged(x: torch.Tensor, page_size: int) -> tuple[torch.Tensor,
     ``[L, P]`` int32 (row ``l`` owns pages ``l * P .. l * P + P - 1``).
     """
     lead, n, d = x.shape
-    p = -(-n // page_size)
+    p = num_pages(n, page_size)
     cache = x.new_zeros(lead, p * page_size, d)
     cache[:, :n] = x
     table = torch.arange(lead * p, device=x.device, dtype=torch.int32).view(lead, p)
@@ -136,7 +137,7 @@ def paged_to_token_major(cache: torch.Tensor, pages: torch.Tensor, n: int) -> to
     """Keys/values of one sequence: ``cache [num_pages, S, Hkv, D]``, ``pages [>= ceil(n/S)]``
     -> ``[Hkv, n, D]``."""
     s = cache.shape[1]
-    used = pages[: -(-n // s)].long()
+    used = pages[: num_pages(n, s)].long()
     x = cache.index_select(0, used)  # [P, S, Hkv, D]
     return x.permute(2, 0, 1, 3).flatten(1, 2)[:, :n]
 

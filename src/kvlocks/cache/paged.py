@@ -15,6 +15,7 @@ import torch
 
 from kvlocks._checks import check_finite
 from kvlocks.config import LocksConfig
+from kvlocks.pages import full_pages, num_pages
 from kvlocks.selection.hierarchy import group_config
 from kvlocks.summary.build import build_summaries
 from kvlocks.summary.types import PageSummaries
@@ -52,7 +53,7 @@ class PagedLayerStore:
     def _ensure_capacity(self, k_new: torch.Tensor, v_new: torch.Tensor, need: int) -> None:
         s = self.config.page_size
         if self._k is None:
-            cap = max(-(-need // s) * s, 4 * s)
+            cap = max(num_pages(need, s) * s, 4 * s)
             shape = (*k_new.shape[:2], cap, k_new.shape[-1])
             self._k = k_new.new_empty(shape)
             self._v = v_new.new_empty((*v_new.shape[:2], cap, v_new.shape[-1]))
@@ -60,7 +61,7 @@ class PagedLayerStore:
         if need <= self._k.shape[2]:
             return
         cap = max(need, 2 * self._k.shape[2])
-        cap = -(-cap // s) * s
+        cap = num_pages(cap, s) * s
         for name in ("_k", "_v"):
             old = getattr(self, name)
             new = old.new_empty((*old.shape[:2], cap, old.shape[-1]))
@@ -137,7 +138,7 @@ class PagedLayerStore:
         """Keep the first ``length`` tokens (and the summaries of pages still full)."""
         self.length = min(self.length, length)
         if self.summaries is not None:
-            keep = self.length // self.config.page_size
+            keep = full_pages(self.length, self.config.page_size)
             self.summaries = self.summaries.select_pages(slice(0, keep))
         if self.groups is not None:
             self.groups = self.groups.select_pages(slice(0, self.length // group_config(self.config).page_size))

@@ -13,6 +13,7 @@ import torch
 from kvlocks.cache.layout import paged_to_token_major
 from kvlocks.config import KernelOptions, default_kernel_options
 from kvlocks.engine.cache import StaticPagedCache
+from kvlocks.pages import num_pages
 from kvlocks.plan import DecodePlan, paged_build_new, paged_decode
 
 DENSE_KERNEL = "triton split-KV paged decode over every page (kvlocks.attention.triton.paged_decode)"
@@ -47,7 +48,7 @@ class LocksAttention:
         if not _can_tune(self.backend, c):
             return
         dev = c.k.device
-        total = -(-c.length // c.page_size)
+        total = num_pages(c.length, c.page_size)
         gen = torch.Generator(device=dev).manual_seed(1)
         pages = torch.full((c.batch, c.k.shape[-2], self.plan.k), -1, dtype=torch.int32, device=dev)
         for b in range(c.batch):

@@ -15,6 +15,7 @@ import torch
 from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.kernels_support import check_config
+from kvlocks.pages import full_pages, num_pages
 from kvlocks.plan import paged_build
 
 
@@ -35,7 +36,7 @@ class StaticPagedCache:
         check_config(config, head_dim, backend="torch", owner="StaticPagedCache")  # the store's format
         s = config.page_size
         self.config, self.batch, self.page_size = config, batch, s
-        self.max_pages = -(-max_context // s)
+        self.max_pages = num_pages(max_context, s)
         self.num_pages = batch * self.max_pages
         shape = (layers, self.num_pages, s, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_pages, S, Hkv, D]
@@ -56,7 +57,7 @@ class StaticPagedCache:
                config: LocksConfig, dtype: torch.dtype, summaries: bool = True) -> dict:
         """Bytes the cache will allocate: ``{"kv": ..., "summaries": ..., "total": ...}``."""
         s = config.page_size
-        pages = batch * -(-max_context // s)
+        pages = batch * num_pages(max_context, s)
         elem = torch.empty(0, dtype=dtype).element_size()
         kv = 2 * layers * pages * s * num_kv_heads * head_dim * elem
         r, d = config.rank, head_dim
@@ -91,7 +92,7 @@ class StaticPagedCache:
 
     def full_page_ids(self) -> torch.Tensor:
         """Physical ids of every full page at the current (common) length: int32 ``[B * (n // S)]``."""
-        full = self.length // self.page_size
+        full = full_pages(self.length, self.page_size)
         return self.block_table[:, :full].reshape(-1).contiguous()
 
     def build(self, *, backend: str | None = None, layers: range | None = None,

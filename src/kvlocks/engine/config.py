@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvlocks.config_io import ConfigIO, check_int
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.kernels_support import BACKENDS, check_config
+from kvlocks.pages import num_pages
 
 METHODS = ("locks", "dense", "auto")
 # auto: where LOCKS starts to decode faster than dense, as the K/V bytes one sequence holds per layer.
@@ -106,4 +107,4 @@ def auto_min_context_for(num_kv_heads: int, head_dim: int, element_bytes: int, p
         check_int("auto_min_context_for", name, v, 1)
     per_token = 2 * num_kv_heads * head_dim * element_bytes
     tokens = -(-AUTO_CROSSOVER_KV_BYTES // per_token)
-    return -(-tokens // page_size) * page_size
+    return num_pages(tokens, page_size) * page_size

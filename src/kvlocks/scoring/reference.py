@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from kvlocks.pages import full_pages
 from kvlocks.summary.types import PageSummaries
 
 NEG_INF = float("-inf")
@@ -90,7 +91,7 @@ def exact_page_lse(
     queries ``[..., G, D]``, keys ``[..., N, D]`` token-major -> float32 ``[..., G, N // S]``.
     A trailing partial page is ignored. token_mask optional bool ``[..., N // S, S]``.
     """
-    p = keys.shape[-2] // page_size
+    p = full_pages(keys.shape[-2], page_size)
     k = keys[..., : p * page_size, :].float().unflatten(-2, (p, page_size))  # [..., P, S, D]
     logits = torch.einsum("...gd,...psd->...gps", queries.float(), k)
     return _masked_lse(logits * _scale(keys.shape[-1], scale), token_mask)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvlocks.config import LocksConfig
+from kvlocks.pages import full_pages
 from kvlocks.scoring.reference import combine_group
 
 NEG_INF = float("-inf")
@@ -84,7 +85,7 @@ def candidate_lse(queries: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor
     float32 ``[..., G, M]``.
     """
     d, n = keys.shape[-1], keys.shape[-2]
-    pages = torch.where(pages < n // page_size, pages, 0)
+    pages = torch.where(pages < full_pages(n, page_size), pages, 0)
     tok = (pages.unsqueeze(-1) * page_size + torch.arange(page_size, device=keys.device)).flatten(-2)  # [..., M*S]
     k = torch.gather(keys, -2, tok.unsqueeze(-1).expand(*tok.shape, d)).float()
     k = k.unflatten(-2, (pages.shape[-1], page_size))  # [..., M, S, D]

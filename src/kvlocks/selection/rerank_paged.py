@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvlocks.config import LocksConfig
+from kvlocks.pages import full_pages, num_pages
 from kvlocks.scoring.reference import combine_group
 from kvlocks.selection.rerank import NEG_INF, forced_pages, merge_exact, pick_candidates
 
@@ -30,12 +31,12 @@ def paged_rerank(queries: torch.Tensor, k_cache: torch.Tensor, block_table: torc
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     g, width = hq // hkv, block_table.shape[1]
     lens = seq_lens.long()
-    pc = (lens // s).view(bsz, 1, 1)
+    pc = full_pages(lens, s).view(bsz, 1, 1)
     valid = torch.arange(width, device=queries.device) < pc  # [B, 1, W] full pages
     est = scores.float().masked_fill(~valid.unsqueeze(-2), NEG_INF)  # [B, Hkv, G, W]
     ranking = combine_group(est, config.combine)
     ranking = torch.where(torch.isneginf(est).all(dim=-2), NEG_INF, ranking)  # [B, Hkv, W]
-    forced = forced_pages((lens + s - 1) // s, config).unsqueeze(1).expand(bsz, hkv, -1)  # [B, Hkv, F]
+    forced = forced_pages(num_pages(lens, s), config).unsqueeze(1).expand(bsz, hkv, -1)  # [B, Hkv, F]
     forced_ok = forced < pc
     pick, cand = pick_candidates(ranking.masked_fill(~valid, NEG_INF), torch.where(forced_ok, forced, width),
                                  config.rerank_candidates(width))

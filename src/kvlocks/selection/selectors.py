@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from kvlocks.config import LocksConfig
+from kvlocks.pages import full_pages, num_pages
 from kvlocks.scoring.reference import (
     combine_group, exact_page_lse, score_pages_from_centroids, score_pages_from_summaries,
 )
@@ -108,7 +109,7 @@ class OracleSelector:
     reads_all_keys = True
 
     def page_scores(self, queries, view, config):
-        pc = view.keys.shape[-2] // config.page_size
+        pc = full_pages(view.keys.shape[-2], config.page_size)
         return exact_page_lse(
             queries, view.keys, config.page_size, scale=view.scale,
             token_mask=_page_mask(view, config.page_size, pc),
@@ -158,7 +159,7 @@ def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, se
     """
     n = view.keys.shape[-2]
     s = config.page_size
-    pc, total = n // s, -(-n // s)
+    pc, total = full_pages(n, s), num_pages(n, s)
     per_head = getattr(selector, "per_head", False)
     lead = queries.shape[:-1] if per_head else queries.shape[:-2]  # [..., G] or [...]
     sink_start = None

@@ -26,6 +26,7 @@ from kvlocks.hybrid import layer_windows
 from kvlocks.integrations.hf.window import WindowLayer, check_positions, check_sparse
 from kvlocks.integrations.hf.stats import DecodeStats
 from kvlocks.kernels_support import kernel_support
+from kvlocks.pages import num_pages
 from kvlocks.positions import position_limit
 from kvlocks.selection.hierarchy import DEFAULT_GROUPS, HIER_METHOD
 from kvlocks.selection.rerank import DEFAULT_RERANK, RERANK_METHOD
@@ -166,7 +167,7 @@ class LocksLayer(DynamicLayer):
         s = self.owner.config.page_size
         if getattr(self.owner.selector, "per_head", False):  # each query head reads its own pages
             out, _ = sparse_decode_per_head(q, key, value, pages, s, scale=scaling, token_mask=token_mask)
-            read = distinct_pages(pages, -(-key.shape[2] // s))
+            read = distinct_pages(pages, num_pages(key.shape[2], s))
         else:
             out, _ = sparse_decode(q, key, value, pages, s, scale=scaling, token_mask=token_mask)
             read = pages.shape[-1]
@@ -315,7 +316,7 @@ class LocksCache(Cache):
         """
         hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
         s = self.config.page_size
-        total = -(-n // s)
+        total = num_pages(n, s)
         last = n - (total - 1) * s
         tokens = n if pages >= total else (pages - 1) * s + last
         elem = key.element_size()

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from kvlocks.pages import num_pages
+
 def check_sparse(model_config, selector, method: str) -> None:
     """Refuse a selector (None: dense, always fine) where the model's attention is not plain
     softmax attention."""
@@ -69,7 +71,7 @@ class WindowLayer(DynamicSlidingWindowLayer):
         """Count one decode step over ``key [B, Hkv, n, D]``: the n window tokens, all read."""
         hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
         read = 2.0 * hkv * n * d * key.element_size()
-        self.owner.stats.add(self.layer_idx, kind="window", pages=-(-n // self.owner.config.page_size), tokens=n,
+        self.owner.stats.add(self.layer_idx, kind="window", pages=num_pages(n, self.owner.config.page_size), tokens=n,
                              context=self.cumulative_length, selection_bytes=0.0, kv_bytes=read, full_bytes=read)
 
     def copy_from(self, src: "WindowLayer") -> None:

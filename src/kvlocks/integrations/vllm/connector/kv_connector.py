@@ -51,6 +51,7 @@ from kvlocks.integrations.vllm.connector.compacted import (
     served_model_info,
 )
 from kvlocks.integrations.vllm.connector.rope import key_shifter
+from kvlocks.pages import num_pages
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class KvlocksConnector(_Base):
         slots = [block_ids[p // bs] * bs + p % bs for p in range(start, t)]
         self._loads.append(LoadJob(request_id=request.request_id, path=str(plan.header.path),
                                    checksum=plan.header.checksum, start=start, stop=t, slots=slots,
-                                   blocks=block_ids[start // bs: -(-t // bs)]))
+                                   blocks=block_ids[start // bs: num_pages(t, bs)]))
 
     def build_connector_meta(self, scheduler_output) -> KvlocksConnectorMetadata:
         meta = KvlocksConnectorMetadata(loads=self._loads, rejects=self._rejects)

@@ -39,6 +39,7 @@ from kvlocks.integrations.vllm import layers as layer_table
 from kvlocks.integrations.vllm.plugin import current_config, current_settings
 from kvlocks.integrations.vllm.sinks import apply_sinks
 from kvlocks.integrations.vllm.cpu.store import BlockSummaryStore
+from kvlocks.pages import num_pages
 from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class LocksCPUAttentionImpl(_StockImpl):
                                    output_scale, output_block_scale)
         step = compat.step_view(attn_metadata)
         qlen = step.query_start_loc[1:] - step.query_start_loc[:-1]  # [R]
-        total = -(-step.seq_lens // self.locks.page_size)  # pages per request
+        total = num_pages(step.seq_lens, self.locks.page_size)  # pages per request
         sparse = (qlen == 1) & (total > self.locks.pages_per_step) & step.causal  # [R]
         if not bool(sparse.all()):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -146,7 +147,7 @@ class LocksCPUAttentionImpl(_StockImpl):
         for r in rows:
             n = int(step.seq_lens[r])
             t = int(step.query_start_loc[r])
-            total = -(-n // s)
+            total = num_pages(n, s)
             pids = store.page_ids(step.block_table[r], total)  # physical page of each logical page
             built = store.ensure(pids[: n // s], key_cache)
             stale = store.check_fresh(pids[: n // s], key_cache) if self.verify else None

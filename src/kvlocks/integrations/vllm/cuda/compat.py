@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlocks.integrations.vllm.compat import VllmCompatError, vllm_version
+from kvlocks.pages import num_pages
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def block_table_width(vllm_config, page_size: int) -> int:
     are made for): ``ceil(max_model_len / block_size) * block_size / page_size``."""
     bs = int(vllm_config.cache_config.block_size or page_size)
     max_len = int(vllm_config.model_config.max_model_len)
-    return -(-max_len // bs) * max(bs // page_size, 1)
+    return num_pages(max_len, bs) * max(bs // page_size, 1)
 
 
 def check_engine(vllm_config) -> None:

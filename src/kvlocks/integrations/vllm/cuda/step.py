@@ -34,6 +34,7 @@ from kvlocks.config import LocksConfig
 from kvlocks.integrations.vllm.compat import VllmCompatError
 from kvlocks.integrations.vllm.cuda.store import CudaSummaryStore
 from kvlocks.integrations.vllm.sinks import apply_sinks
+from kvlocks.pages import num_pages
 from kvlocks.plan import DecodePlan, paged_score, paged_select
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     ``flash_lens = 1`` and ``locks_lens = seq_len``; the others ``flash_lens = seq_len``, ``locks_lens = 0``.
     """
     qlen = query_start_loc[1:] - query_start_loc[:-1]  # [B]
-    pages = (seq_lens + (page_size - 1)) // page_size
+    pages = num_pages(seq_lens, page_size)
     sparse = (qlen == 1) & (pages > k)
     zero = torch.zeros_like(seq_lens)
     return sparse, torch.where(sparse, zero + 1, seq_lens), torch.where(sparse, seq_lens, zero)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import LocksConfig
+from kvlocks.pages import full_pages
 from kvlocks.plan import paged_build, paged_build_new, resolve_backend
 
 EXTERNAL = -2  # built_page of a page built right after a connector wrote it whole
@@ -154,7 +155,7 @@ class CudaSummaryStore:
         """Physical page each row filled (trash where none) and its logical page."""
         s = self.config.page_size
         filled = (seq_lens > 0) & (seq_lens % s == 0)
-        page = (seq_lens // s - 1).clamp_min(0).long()
+        page = (full_pages(seq_lens, s) - 1).clamp_min(0).long()
         phys = block_table.gather(1, page[:, None])[:, 0].long()
         return torch.where(filled, phys, self.trash), page
 
@@ -176,7 +177,7 @@ class CudaSummaryStore:
 
     def _full(self, block_table, lens, width):
         logical = torch.arange(width, device=block_table.device, dtype=torch.int32)  # [W]
-        full = logical[None, :] < (lens // self.config.page_size)[:, None]  # [B, W]
+        full = logical[None, :] < full_pages(lens, self.config.page_size)[:, None]  # [B, W]
         return full, block_table[:, :width].long(), logical[None, :]
 
     def verify_used(self, k_cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor,
@@ -202,7 +203,7 @@ class CudaSummaryStore:
         """Rebuild every full page of every row whose summary is not valid. ``max_len``: the
         longest row (host int). Returns the pages built per row (int64 ``[B]``, host)."""
         s, b = self.config.page_size, seq_lens.shape[0]
-        width = min(max_len // s, block_table.shape[1])
+        width = min(full_pages(max_len, s), block_table.shape[1])
         if width == 0:
             return torch.zeros(b, dtype=torch.int64)
         full, pid, logical = self._full(block_table, seq_lens, width)
