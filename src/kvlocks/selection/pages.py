@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.pages import full_pages
+from kvlocks.pages import full_pages as full_page_count
 from kvlocks.summary.quant import quantize
 
 NEG_INF = float("-inf")
@@ -24,7 +24,7 @@ def page_mask(token_mask: torch.Tensor | None, page_size: int, pc: int) -> torch
 
 def full_pages(keys: torch.Tensor, page_size: int) -> torch.Tensor:
     """Keys ``[..., N, D]`` -> float32 ``[..., Pc, S, D]`` (the trailing partial page dropped)."""
-    pc = full_pages(keys.shape[-2], page_size)
+    pc = full_page_count(keys.shape[-2], page_size)
     return keys[..., : pc * page_size, :].float().unflatten(-2, (pc, page_size))
 
 
