@@ -259,9 +259,12 @@ def select_pages_paged(ranking: torch.Tensor, seq_lens: torch.Tensor, *, page_si
     return ws.out
 
 
-def select_top_pages(ranking: torch.Tensor, total_pages: int, k: int, *, sink_pages: int = 1,
+def select_top_pages(ranking: torch.Tensor, total_pages: int, k: int, *, page_size: int, sink_pages: int = 1,
                      recent_pages: int = 1, sink_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Same as :func:`kvlocks.selection.topk.select_top_pages`: ``[..., Pc]`` -> int64 ``[..., min(k, P)]``."""
+    """Same as :func:`kvlocks.selection.topk.select_top_pages`: ``[..., Pc]`` -> int64 ``[..., min(k, P)]``.
+
+    The kernels read token counts: each row gets the Pc full pages of ``page_size`` tokens, plus one
+    token of a partial page when ``total_pages = Pc + 1``; the pages chosen do not depend on S."""
     pc = ranking.shape[-1]
     if total_pages not in (pc, pc + 1):
         raise ValueError(f"total_pages={total_pages} must be the candidate count {pc} or {pc + 1}")
@@ -270,11 +273,10 @@ def select_top_pages(ranking: torch.Tensor, total_pages: int, k: int, *, sink_pa
     x = ranking.float().reshape(rows, 1, pc).contiguous()
     if pc == 0:
         x = torch.zeros(rows, 1, 1, device=ranking.device)
-    # token count consistent with (Pc full pages, total pages): a partial page holds one token
-    n = pc * 16 + (1 if total_pages > pc else 0)
+    n = pc * page_size + (total_pages - pc)  # Pc full pages, and one token of a partial page if any
     seq = torch.full((rows,), n, dtype=torch.int32, device=ranking.device)
     ss = None if sink_start is None else sink_start.reshape(-1).to(torch.int32).contiguous()
-    out = select_pages_paged(x, seq, page_size=16, k=k, sink_pages=sink_pages,
+    out = select_pages_paged(x, seq, page_size=page_size, k=k, sink_pages=sink_pages,
                              recent_pages=recent_pages, sink_start=ss)
     kk = min(k, total_pages)
     return out[:, 0, :kk].long().reshape(*lead, kk)
