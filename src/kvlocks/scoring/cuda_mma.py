@@ -1,4 +1,5 @@
-"""Page scoring (Eq. 4) in CUDA with hand-placed tensor-core fragments (``score_mma.cu``).
+"""Page scoring (Eq. 4) in CUDA with hand-placed tensor-core fragments (``score_mma.cu``; mma: the
+tensor cores' warp-level matrix multiply-accumulate instruction, ``mma.sync``).
 
 Same contract as :func:`kvlocks.scoring.triton.score_pages_paged` (which dispatches here on CUDA
 where :func:`kvlocks.kernels_support.score_kernel` picks it): it writes the workspace's per-head scores and per-program

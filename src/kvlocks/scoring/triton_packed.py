@@ -1,4 +1,5 @@
-"""Page scoring (Eq. 4) for GQA groups up to 16: the "packed" score kernel.
+"""Page scoring (Eq. 4) for GQA groups up to 16: the "packed" score kernel (it reads the int4 basis as
+packed bytes, two values a byte, and converts them with packed half2 arithmetic: below).
 
 Same inputs, outputs and combine step as :func:`kvlocks.scoring.triton.score_pages_paged`, which
 dispatches here on CUDA for half-precision queries, G <= 16 and rank 8 when the CUDA kernel
