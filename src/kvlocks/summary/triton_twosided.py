@@ -1,6 +1,7 @@
 """The two-sided ("lean") solver of the summary build (:mod:`kvlocks.summary.triton`): the page's Gram
-``dev dev^T`` diagonalised by parallel cyclic two-sided Jacobi (each rotation applied to rows and columns) (round-robin pairings, the rotations applied by
-gathers, the diagonal tracked in closed form), then the basis ``v_r = dev^T u_r / |.|`` and the
+``dev dev^T`` diagonalised by parallel cyclic two-sided Jacobi (each rotation applied to its rows and
+columns; round-robin pairings, the rotations applied by gathers, the diagonal tracked in closed
+form), then the basis ``v_r = dev^T u_r / |.|`` and the
 coefficients ``dev v_r``, one rank at a time.
 
 Variants timed on the H200 and not kept (whole model at 1M, llama3-8b / glm4-9b-1m, s;
