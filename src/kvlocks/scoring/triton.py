@@ -44,7 +44,7 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
                       Hkv, G, max_pages, n_chunks, pages_per_prog, qk_scale,
                       GP: tl.constexpr, GB: tl.constexpr, D: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
                       RP: tl.constexpr, BLOCK: tl.constexpr, DOT_DT: tl.constexpr, C_DT: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, DH: tl.constexpr):
     """Three tensor-core dots per step of BLOCK pages, q^T loaded once per program.
 
     1. projections: the basis bytes of BLOCK pages as a ``[BLOCK * RP, D / 2]`` tile (rows past R
@@ -55,20 +55,29 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
        ``[BLOCK, S, RP] x [BLOCK, RP, GP]`` (int8 coefficients exact in C_DT; for float16 the
        projections are split into two float16 parts, two dots, so no precision is lost), then the
        key scales, the centroid term and the log-sum-exp over the S keys in float32.
+
+    Dots 1 and 2 run over DH = min(D, 128) head dims at a time (two accumulating dots at D = 256),
+    so their operand tiles keep D = 128's size: the unpacked basis of 16 pages in float32 (float32
+    queries) would be 256 KB at D = 256, over sm_90's 227 KB of shared memory per block.
     """
+    tl.static_assert(D == DH or D == 2 * DH, "head dims in one or two chunks of DH")
     pid_c = tl.program_id(0)
     row = tl.program_id(1)  # b * Hkv + h
     b = row // Hkv
     h = row % Hkv
     pc = tl.load(seqlen_ptr + b) // S
     g = tl.arange(0, GP)
-    dd = tl.arange(0, D)
-    qt = tl.load(q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh + dd[:, None], mask=(g < G)[None, :],
-                 other=0.0).to(DOT_DT)  # [D, GP]
+    dd = tl.arange(0, DH)
+    q_row = q_ptr + b * stride_qb + (h * G + g)[None, :] * stride_qh
+    qt = tl.load(q_row + dd[:, None], mask=(g < G)[None, :], other=0.0).to(DOT_DT)  # [DH, GP] dims 0..DH-1
+    if D > DH:
+        qt2 = tl.load(q_row + DH + dd[:, None], mask=(g < G)[None, :], other=0.0).to(DOT_DT)  # dims DH..D-1
+    else:
+        qt2 = qt
     m = tl.arange(0, BLOCK * RP)
     mp = m // RP
     mr = m % RP
-    jj = tl.arange(0, D // 2)
+    jj = tl.arange(0, DH // 2)
     s_idx = tl.arange(0, S)
     r_idx = tl.arange(0, RP)
     pb = tl.arange(0, BLOCK)
@@ -83,13 +92,21 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
         mmask = ((p0 + mp) < end) & (mr < R)
         ph_m = tl.load(btr + p0 + mp, mask=mmask, other=0).to(tl.int64) * Hkv + h  # [BLOCK * RP]
         by = tl.load(basis_ptr + (ph_m * R + mr)[:, None] * (D // 2) + jj[None, :], mask=mmask[:, None],
-                     other=0).to(tl.int32)  # [BLOCK * RP, D / 2] bytes
-        x = tl.interleave((by << 28) >> 28, (by << 24) >> 28).to(tl.float32).to(DOT_DT)  # [BLOCK * RP, D]
+                     other=0).to(tl.int32)  # [BLOCK * RP, DH / 2] bytes
+        x = tl.interleave((by << 28) >> 28, (by << 24) >> 28).to(tl.float32).to(DOT_DT)  # [BLOCK * RP, DH]
         proj = tl.dot(x, qt, input_precision=PRECISION)  # [BLOCK * RP, GP]
+        if D > DH:  # the second half of the head dims
+            by = tl.load(basis_ptr + (ph_m * R + mr)[:, None] * (D // 2) + DH // 2 + jj[None, :], mask=mmask[:, None],
+                         other=0).to(tl.int32)
+            x = tl.interleave((by << 28) >> 28, (by << 24) >> 28).to(tl.float32).to(DOT_DT)
+            proj = tl.dot(x, qt2, acc=proj, input_precision=PRECISION)
         bsc = tl.load(bscale_ptr + ph_m * R + mr, mask=mmask, other=0.0).to(tl.float32)
         proj = tl.reshape(proj * bsc[:, None], (BLOCK, RP, GP))
         cen = tl.load(cen_ptr + ph[:, None] * D + dd[None, :], mask=pmask[:, None], other=0).to(tl.float32)
         qmu = tl.dot(cen.to(DOT_DT), qt, input_precision=PRECISION)  # [BLOCK, GP]
+        if D > DH:
+            cen = tl.load(cen_ptr + ph[:, None] * D + DH + dd[None, :], mask=pmask[:, None], other=0).to(tl.float32)
+            qmu = tl.dot(cen.to(DOT_DT), qt2, acc=qmu, input_precision=PRECISION)
         qmu = qmu * tl.load(censcale_ptr + ph, mask=pmask, other=0.0).to(tl.float32)[:, None]
         c = tl.load(coef_ptr + ph[:, None, None] * (S * R) + s_idx[None, :, None] * R + r_idx[None, None, :],
                     mask=pmask[:, None, None] & (r_idx < R)[None, None, :], other=0).to(tl.float32).to(C_DT)
@@ -114,9 +131,10 @@ def _score_mma_kernel(q_ptr, stride_qb, stride_qh, basis_ptr, bscale_ptr, coef_p
 _MMA_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, num_stages=st)
                 for b in (16, 32) for w in (4, 8) for st in (1, 2, 3)]
 _score_mma_tuned = triton.autotune(_MMA_CONFIGS, key=["Hkv", "G", "D", "R", "pages_per_prog"])(_score_mma_kernel)
-# head_dim 256: 16 pages per step only. The unpacked basis tile [BLOCK * 16, D] is the dot operand
-# staged in shared memory: 128 KB in float16 at BLOCK 16 (as BLOCK 32 at D = 128), 256 KB at
-# BLOCK 32, over the H100/H200's 227 KB per block; 16 is also tl.dot's smallest M (the centroid dot).
+# head_dim 256: 16 pages per step only, the operand tiles of D = 128's BLOCK 16 (the kernel's dots
+# take 128 head dims at a time; 16 is tl.dot's smallest M). sm_90 cubins (Triton 3.9, bfloat16
+# queries) spill 80 B per thread at 8 warps and 1 KB at 4 (D = 128, BLOCK 16: 0 and 72 B; BLOCK 32,
+# which the D = 128 tuner may pick: 296 B and 1.2 KB); float32 queries 9-12 KB at D = 256.
 _MMA_CONFIGS_256 = [triton.Config({"BLOCK": 16}, num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2)]
 _score_mma_tuned_256 = triton.autotune(_MMA_CONFIGS_256, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
     _score_mma_kernel)
@@ -197,7 +215,7 @@ def score_pages_paged(queries: torch.Tensor, summaries: SummaryStore, block_tabl
         queries, queries.stride(0), queries.stride(1), summaries.basis, summaries.basis_scale, summaries.coef,
         summaries.coef_scale, summaries.centroid, summaries.centroid_scale, block_table, block_table.stride(0),
         seq_lens, ws.scores, ws.stats, hkv, g, max_pages, ws.n_chunks, ws.ppp, scale * LOG2E,
-        GP=max(16, gb), GB=gb, D=d, S=s, R=r, **kw, **fixed,
+        GP=max(16, gb), GB=gb, D=d, S=s, R=r, DH=min(d, 128), **kw, **fixed,
     )
     return finish_scores(ws, seq_lens, hkv, g, max_pages, s, combine, rank)
 

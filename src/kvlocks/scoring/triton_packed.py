@@ -188,9 +188,11 @@ _score_packed_tuned = triton.autotune(_PACKED_CONFIGS, key=["Hkv", "G", "D", "R"
     _score_packed_kernel)
 # head_dim 256: 16 pages per step, so the per-step tiles (basis bytes [BLOCK * R, D / 2], their two
 # float16 halves, centroids [BLOCK, D]) are the size of D = 128's at 32 pages; 16 is also the
-# smallest M of the centroid dot.
+# smallest M of the centroid dot. 4 or 8 warps: sm_90 cubins (Triton 3.9, G 1-8) spill 48-152 B
+# per thread at 4 warps (D = 128's measured best, 32 pages and 4 warps, spills 128 B), none at 8
+# (196-206 registers), 520-584 B at 2 warps (tests/test_triton_compile_d256.py prints them).
 _PACKED_CONFIGS_256 = [triton.Config({"BLOCK": 16}, num_warps=w, num_stages=st)
-                       for w, st in ((2, 2), (4, 2), (4, 1), (8, 2))]
+                       for w, st in ((4, 2), (4, 1), (8, 2), (8, 1))]
 _score_packed_tuned_256 = triton.autotune(_PACKED_CONFIGS_256, key=["Hkv", "G", "D", "R", "pages_per_prog"])(
     _score_packed_kernel)
 

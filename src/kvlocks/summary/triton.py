@@ -116,6 +116,13 @@ ONESIDED_MAX_AUTO_D = 128
 ONESIDED_LAUNCH_256 = {"BP": 1, "num_warps": 2, "maxnreg": 168}
 
 
+def incremental_launch(head_dim: int, cuda: bool) -> dict:
+    """The fixed launch of builds that are not autotuned (the incremental build, CPU builds): 4
+    items per 4-warp program on CUDA (2 at head_dim 256, so that the items' keys ``[BP, S, D]``
+    float32 stay at 64 values per thread), 2 on the CPU."""
+    return {"BP": (4 if head_dim <= 128 else 2) if cuda else 2, "num_warps": 4}
+
+
 def tuned_launch():
     """The launch configuration the lean bulk build's autotuner chose last (None before a tuned CUDA build)."""
     return getattr(_build_tuned, "best_config", None)
@@ -147,7 +154,7 @@ def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=S
     if tuned and onesided:
         tuned, launch = False, ONESIDED_LAUNCH if d <= ONESIDED_MAX_AUTO_D else ONESIDED_LAUNCH_256
     kernel = _build_tuned if tuned else _build_kernel
-    launch = {} if tuned else dict(launch or {"BP": 4 if k_cache.is_cuda else 2, "num_warps": 4})
+    launch = {} if tuned else dict(launch or incremental_launch(d, k_cache.is_cuda))
     kernel[lambda meta: (triton.cdiv(max(n_items, 1), meta["BP"]),)](
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ids, n_items, hkv, tb,
         tb.stride(0) if table is not None else 0, store.basis, store.basis_scale, store.coef, store.coef_scale,
