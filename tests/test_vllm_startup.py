@@ -71,6 +71,12 @@ def _decide(**facts):
 
 
 def test_layer_decisions_name_the_reason():
+    import enum
+
+    class AttentionType(str, enum.Enum):  # as vLLM 0.26 / 0.32 declare it
+        DECODER = "decoder"
+
+    assert _decide(attn_type=AttentionType.DECODER) == lt.Decision(lt.LOCKS, "")
     assert _decide() == lt.Decision(lt.LOCKS, "")
     assert _decide(sinks=True) == lt.Decision(lt.LOCKS, "with learned sinks")
     window = _decide(sliding_window=512, sinks=True)

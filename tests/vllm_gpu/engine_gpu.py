@@ -3,10 +3,12 @@
 Usage: python engine_gpu.py SPEC.json OUT.json. SPEC: {"llm": {LLM kwargs}, "prompts": [token-id
 lists], "max_tokens": int, "locks": LocksConfig JSON or null, "batches": [[prompt index, ...], ...]
 (one generate call each; default all at once), "model": path (default: the bundled model),
-"logprobs": int or null (the top log-probabilities of every output position)}.
+"logprobs": int or null (the top log-probabilities of every output position), "strict": bool (the
+plugin's strict setting)}.
 Greedy, ignoring EOS. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 set by the caller), so the LOCKS backend's debug counters are read here after generating.
-OUT: {"tokens", "logprobs" (per prompt and position: {token id: log-probability}, or null), "counters", "preemptions", "preempted_at", "init_s", "gen_s"}; ``preempted_at``: per
+OUT: {"tokens", "logprobs" (per prompt and position: {token id: log-probability}, or null), "counters", "preemptions", "preempted_at", "init_s", "gen_s", "num_gpu_blocks", "memory"}; ``memory``: the device's total and used
+bytes after generating and torch's peak reserved bytes in this process; ``preempted_at``: per
 prompt, the number of its output tokens at each of its preemptions (read from vLLM's scheduler,
 whose ``_preempt_request`` is wrapped in this process; vLLM 0.26 and 0.32 name it so).
 """
@@ -24,7 +26,7 @@ if __name__ == "__main__":
     from kvlocks.models import resolve
 
     if spec.get("locks"):
-        enable(LocksConfig.from_json(spec["locks"]))
+        enable(LocksConfig.from_json(spec["locks"]), strict=bool(spec.get("strict")))
     from vllm.v1.core.sched.scheduler import Scheduler
 
     events = []  # (internal request id, output tokens so far) per preemption
@@ -63,6 +65,13 @@ if __name__ == "__main__":
         preemptions = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     except Exception:  # noqa: BLE001 - stats disabled (the LLM default) or no prometheus_client
         pass
-    json.dump({"tokens": [t for _, t in sorted(outs)], "logprobs": [lps[i] for i in sorted(lps)] or None,
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    memory = {"total": total, "used": total - free, "torch_peak_reserved": torch.cuda.max_memory_reserved()}
+    num_gpu_blocks = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    num_gpu_blocks = getattr(num_gpu_blocks, "num_gpu_blocks", None)
+    json.dump({"num_gpu_blocks": num_gpu_blocks, "memory": memory, "tokens": [t for _, t in sorted(outs)],
+               "logprobs": [lps[i] for i in sorted(lps)] or None,
                "counters": counters, "preemptions": preemptions,
                "preempted_at": preempted_at, "init_s": t1 - t0, "gen_s": gen_s}, open(sys.argv[2], "w"))

@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
+# under vLLM's logger namespace: vLLM's default logging configuration shows it beside vLLM's own
+# start-up lines (a ``kvlocks`` logger is not shown unless the user configures one)
+log = logging.getLogger("vllm.kvlocks")
 
 LOCKS, BY_DESIGN, FALLBACK = "LOCKS", "by design", "fallback"
 
@@ -55,7 +57,7 @@ def decide(facts: LayerFacts, *, head_dims, sinks_supported: bool, dense: str) -
     ``sinks_supported``: the backend applies learned sinks to LOCKS rows; ``dense``: what runs
     otherwise (``"FlashAttention"``, ``"CPU attention"``), named in the reason. ``head_dims``: a
     tuple, or a ``range`` (the CPU references: even sizes)."""
-    t = str(facts.attn_type).lower()
+    t = str(getattr(facts.attn_type, "value", facts.attn_type)).lower()  # vLLM's AttentionType is a str Enum
     if t in ("encoder", "encoder_only"):
         return Decision(BY_DESIGN, f"{dense}: {t} attention keeps no decode cache")
     if t != "decoder":

@@ -53,6 +53,7 @@ from kvlocks.integrations.vllm.plugin import current_config, current_settings
 from kvlocks.kernels_support import KERNEL_HEAD_DIMS, KERNEL_PAGE_SIZE
 
 log = logging.getLogger(__name__)
+startup_log = layer_table.log  # the table's logger (shown by vLLM's default logging configuration)
 
 _StockBackend, _StockImpl, _StockBuilder = cuda_compat.stock_flash_classes()
 STEP_ATTR = "kvlocks_step"  # the LocksStep attached to FlashAttention's metadata
@@ -117,7 +118,7 @@ def _at_profiling(vllm_config, query: torch.Tensor) -> None:
     else:
         free = memory.free_in_share(query.device, float(cc.gpu_memory_utilization))
         memory.RESERVE.take(memory.reserve_bytes(memory.RESERVE.model.rho, free), query.device)
-    log.info("kvlocks: reserved during vLLM's profiling run: LOCKS plans %.1f MiB, summaries %.1f MiB "
+    startup_log.info("kvlocks: reserved during vLLM's profiling run: LOCKS plans %.1f MiB, summaries %.1f MiB "
              "(summaries / K/V = %.3f)", plan_bytes / 2**20, memory.RESERVE.bytes / 2**20, memory.RESERVE.model.rho)
 
 
@@ -129,17 +130,17 @@ def _log_pool(impls: list) -> None:
     blocks = impls[0].decoder.store.num_blocks
     model = memory.RESERVE.model
     if model is None:
-        log.info("kvlocks: KV pool of %d blocks; LOCKS summaries %.1f MiB", blocks, summaries / 2**20)
+        startup_log.info("kvlocks: KV pool of %d blocks; LOCKS summaries %.1f MiB", blocks, summaries / 2**20)
         return
     locks_bytes = summaries + memory.RESERVE.plan_bytes
     have, without = memory.pool_tokens(blocks, KERNEL_PAGE_SIZE, model, locks_bytes)
     where = ("on top of kv_cache_memory_bytes" if memory.RESERVE.fixed_pool
              else "inside gpu_memory_utilization")
-    log.info("kvlocks: the KV pool holds %d tokens per layer with LOCKS (summaries %.1f MiB, plans %.1f MiB, %s); "
+    startup_log.info("kvlocks: the KV pool holds %d tokens per layer with LOCKS (summaries %.1f MiB, plans %.1f MiB, %s); "
              "without LOCKS it would hold about %d", have, summaries / 2**20, memory.RESERVE.plan_bytes / 2**20,
              where, without if not memory.RESERVE.fixed_pool else have)
     if reserved and summaries > reserved:
-        log.warning("kvlocks: LOCKS summaries (%.1f MiB) exceed the share reserved during profiling (%.1f MiB) "
+        startup_log.warning("kvlocks: LOCKS summaries (%.1f MiB) exceed the share reserved during profiling (%.1f MiB) "
                     "by %.1f MiB", summaries / 2**20, reserved / 2**20, (summaries - reserved) / 2**20)
 
 
@@ -162,7 +163,7 @@ class LocksFlashAttentionImpl(_StockImpl):
     def _facts(self) -> layer_table.LayerFacts:
         window = tuple(self.sliding_window or (-1, -1))  # FlashAttention's (left, right): (W - 1, 0)
         return layer_table.LayerFacts(
-            attn_type=str(self.attn_type), sliding_window=None if window == (-1, -1) else window[0] + 1,
+            attn_type=self.attn_type, sliding_window=None if window == (-1, -1) else window[0] + 1,
             alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap or None,
             sinks=getattr(self, "sinks", None) is not None, head_size=self.head_size,
             kv_shared_with=getattr(self, "kv_sharing_target_layer_name", None))
@@ -194,7 +195,7 @@ class LocksFlashAttentionImpl(_StockImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        if attn_metadata is None and self.locks is not None and self._vllm_config is not None:
+        if attn_metadata is None and self.kvlocks_decision is not None and self._vllm_config is not None:
             _at_profiling(self._vllm_config, query)  # vLLM's profiling run: every layer exists now
         step = getattr(attn_metadata, STEP_ATTR, None) if attn_metadata is not None else None
         if step is None or self.decoder is None:
@@ -239,7 +240,7 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
         group = [n for n in layer_names if n in decisions]
         demoted = layer_table.demote(decisions, group, "FlashAttention")
         if demoted:
-            log.warning("kvlocks: %s", layer_table.table({n: decisions[n] for n in demoted}))
+            startup_log.warning("kvlocks: %s", layer_table.table({n: decisions[n] for n in demoted}))
             err = layer_table.strict_error({n: decisions[n] for n in demoted}) if current_settings().strict else None
             if err:
                 raise ValueError(err)
