@@ -34,6 +34,7 @@ LOGGING = {
 }
 REGISTERED = re.compile(r"kvlocks: LOCKS attention backend registered for (\w+)")
 ACTIVE = re.compile(r"kvlocks: LOCKS (summaries|plans) ")
+KVLOCKS_LINE = re.compile(r"\[kvlocks[.\]]|kvlocks: ")  # the kvlocks logger's records (not paths)
 
 
 def free_port() -> int:
@@ -131,7 +132,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
         log_file.close()
-    lines = [x for x in log.read_text(errors="replace").splitlines() if "kvlocks" in x]
+    lines = [x for x in log.read_text(errors="replace").splitlines() if KVLOCKS_LINE.search(x)]
     record["kvlocks_log"] = lines[:40]
     record["backend"] = sorted({m.group(1) for x in lines for m in [REGISTERED.search(x)] if m})
     record["locks_active"] = any(ACTIVE.search(x) for x in lines)
