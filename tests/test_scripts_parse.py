@@ -1,4 +1,4 @@
-"""Every committed script parses: the GPU scripts run only on a lent GPU machine, so a syntax error
+"""Every committed script parses: the GPU scripts run only on a GPU machine, so a syntax error
 there would otherwise surface only when that machine's time is already being spent. And the GPU
 scripts' README lists each of them."""
 
