@@ -166,8 +166,8 @@ def test_triton_backend_matches_reference_path(interpreter, monkeypatch):
     import kvlocks.integrations.hf.cache as hf
 
     calls = []
-    kernel_decode = hf._kernel_decode
-    monkeypatch.setattr(hf, "_kernel_decode", lambda *a: calls.append(1) or kernel_decode(*a))
+    plan_decode = hf.plan_decode
+    monkeypatch.setattr(hf, "plan_decode", lambda *a: calls.append(a[-1]) or plan_decode(*a))
     model = _tiny_llama()
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(1)).to(model.device)
     cfg = LocksConfig(budget=48)  # 3 of 6 pages: sink, recent and one by score
@@ -177,7 +177,7 @@ def test_triton_backend_matches_reference_path(interpreter, monkeypatch):
     assert tri.uses_kernels(keys) and not ref.uses_kernels(keys)
     a = _decode_logits(model, ref, ids, 8)  # 90 -> 98 tokens: page 6 fills at step 6
     b = _decode_logits(model, tri, ids, 8)
-    assert len(calls) == 8  # one layer, eight decode steps, all on the kernels
+    assert calls == ["triton"] * 8  # one layer, eight decode steps, all on the plan's kernels
     assert tri.layers[0].store.build_calls == 2 and tri.layers[0].store.summaries.num_pages == 98 // 16
     assert torch.allclose(a, b, atol=2e-4 * float(a.abs().max()), rtol=1e-4)
     assert tri.stats.summary()["pages_selected"] == ref.stats.summary()["pages_selected"] == 3
@@ -200,7 +200,8 @@ def test_kernel_path_only_for_the_kernels_config():
     assert kernel_path(locks, LocksConfig(), 64) and kernel_path(locks, LocksConfig(), 128)
     assert not kernel_path(locks, LocksConfig(basis_bits=8), 64)
     assert not kernel_path(locks, LocksConfig(), 96)
-    assert not kernel_path(get_selector("oracle"), LocksConfig(), 64)
+    assert kernel_path(get_selector("oracle"), LocksConfig(), 64)  # its own scores; the kernels select, attend
+    assert not kernel_path(locks, LocksConfig(group_pages=4), 64)  # hierarchical: the references
     assert not kernel_path(locks, LocksConfig(page_size=32, budget=64), 64)  # the references run instead
     assert not kernel_path(locks, LocksConfig(rank=6), 64)
     with pytest.raises(ValueError, match="backend="):

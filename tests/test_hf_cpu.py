@@ -1,13 +1,15 @@
-"""The CPU decode path of the Hugging Face cache against the pure-PyTorch references it replaces."""
+"""The decode plan's ``cpu`` backend (the Hugging Face cache's path on CPU tensors) against the
+pure-PyTorch references: its scores, its selection, its attention, and whole-model decoding."""
 
 import pytest
 import torch
 
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.config import LocksConfig
-from kvlocks.integrations.hf.cpu import ScoringBuffers, attend_pages, locks_pages, page_major, select_pages
-from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
-from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
+from kvlocks.attention.cpu import paged_decode
+from kvlocks.scoring.cpu import ScoringBuffers
+from kvlocks.scoring.reference import score_pages_from_summaries
+from kvlocks.selection.cpu import select_rows
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.build import build_summaries
 
@@ -49,7 +51,12 @@ def test_select_pages_equals_the_reference_with_ties(sink, recent, k):
     for pc in (total, total - 1):  # without and with a partial last page
         ranking = torch.randint(0, 4, (6, pc), generator=g).float()  # many ties: lower page must win
         ref = select_top_pages(ranking, total, k, sink_pages=sink, recent_pages=recent)
-        assert torch.equal(select_pages(ranking, total, k, sink, recent), ref)
+        rows = torch.full((6,), total)
+        got = select_rows(ranking, rows * 0 + pc, rows, k, sink_pages=sink, recent_pages=recent)
+        assert torch.equal(got.long(), ref)
+    short = select_rows(torch.zeros(2, 3), torch.tensor([2, 3]), torch.tensor([3, 3]), 5, sink_pages=sink,
+                        recent_pages=recent)  # fewer pages than k: every page, then -1
+    assert short.tolist() == [[0, 1, 2, -1, -1]] * 2
 
 
 @pytest.mark.parametrize("n", [16, 17, 250, 1000])
@@ -68,24 +75,13 @@ def test_attend_pages_equals_sparse_decode(n, dtype):
         else torch.arange(total).expand(6, total)
     pages = torch.sort(pages[:, :k] if total > 2 else pages, dim=-1).values.view(2, 3, -1)
     ref, _ = sparse_decode(q, kb[:, :, :n], vb[:, :, :n], pages, s, scale=0.125)
-    got = attend_pages(q, page_major(kb, s), page_major(vb, s), pages, n, s, 0.125)
+    width = cap // s  # the Hugging Face store's paged view: one KV head per row
+    table = torch.arange(6 * width, dtype=torch.int32).view(6, width)
+    got, _ = paged_decode(q.reshape(6, 4, 64), kb.view(-1, s, 1, 64), vb.view(-1, s, 1, 64), table,
+                          torch.full((6,), n), pages.reshape(6, 1, -1), scale=0.125)
+    got = got.view(2, 3, 4, 64)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("budget,combine", [(64, "mean_share"), (128, "max_share"), (96, "sum_mass")])
-def test_locks_pages_equal_choose_pages(budget, combine):
-    config = LocksConfig(budget=budget, combine=combine)
-    keys = _keys(1, 3, 1000, 64, 3)
-    q = torch.randn(1, 3, 3, 64)
-    summ = _summaries(keys, config)
-    view = LayerView(keys=keys, summaries=summ, token_mask=None, scale=0.125)
-    ref = choose_pages(q, view, config, get_selector("locks"))
-    got = locks_pages(q, ScoringBuffers(), summ, config, 1000, 0.125)
-    assert torch.equal(got, ref)
-    small = keys[:, :, :40]  # budget >= context: every page, no scoring
-    got = locks_pages(q, ScoringBuffers(), _summaries(small, config), config, 40, 0.125)
-    assert torch.equal(got, torch.arange(3).expand(1, 3, 3))
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +93,9 @@ def model_tok():
 
 @pytest.mark.model
 def test_cpu_path_equals_the_references_through_the_model(model_tok):
-    """Greedy decoding from one prefill: the CPU path (default) and backend="torch" agree on every
-    token, and their logits agree closely, through a page fill and a crop."""
+    """Greedy decoding from one prefill: the plan's cpu backend (the default on CPU) and
+    backend="torch" (the token-major references) agree on every token, and their logits agree
+    closely, through a page fill and a crop."""
     from kvlocks.integrations.hf import LocksCache
     from kvlocks.integrations.hf.decode import prefill, step
 
@@ -108,7 +105,7 @@ def test_cpu_path_equals_the_references_through_the_model(model_tok):
     ref = LocksCache(model.config, method="locks", config=LocksConfig(budget=64), backend="torch")
     logits = prefill(model, ref, ids)
     fast = ref.fork()
-    fast.backend = None  # the default: the CPU path for CPU tensors
+    fast.backend = None  # the default: the plan's cpu backend for CPU tensors
     tok_a = tok_b = int(logits.argmax())
     for _ in range(12):  # crosses a page fill (310 -> 322 tokens)
         la, lb = step(model, fast, tok_a), step(model, ref, tok_b)
@@ -118,7 +115,7 @@ def test_cpu_path_equals_the_references_through_the_model(model_tok):
     assert fast.stats.summary()["bytes_read"] == pytest.approx(ref.stats.summary()["bytes_read"])
     assert fast.layers[0].store.scoring.pages == 20  # the buffers grew by the filled page
     for c in (fast, ref):
-        c.crop(-5)  # 317 tokens: page 19 is no longer full; the CPU path's buffers are rebuilt
+        c.crop(-5)  # 317 tokens: page 19 is no longer full; the cpu backend's buffers are rebuilt
     la, lb = step(model, fast, 7), step(model, ref, 7)
     torch.testing.assert_close(la, lb, rtol=1e-3, atol=1e-3)
     assert fast.layers[0].store.scoring.pages == 19

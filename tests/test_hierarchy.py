@@ -193,17 +193,22 @@ def test_hf_cache_reads_the_stores_group_summaries():
     assert (page, group) == (4 * 16 + 16 * 4 + 32 + 2 * 21, 8 * 16 + 32 * 8 + 32 + 2 * 41)  # pages R 4, groups R 8
 
 
-def test_locks_hier_method_sets_default_groups_and_forks_with_them():
+def test_locks_hier_method_builds_its_config_and_runs_an_explicit_one_as_given():
     from transformers import LlamaConfig
 
+    from kvlocks.config import method_config
     from kvlocks.integrations.hf import LocksCache, method_names
     from kvlocks.selection.hierarchy import DEFAULT_GROUPS, HIER_METHOD
 
     mc = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     assert HIER_METHOD in method_names()
-    cache = LocksCache(mc, method=HIER_METHOD, config=LocksConfig(budget=64))
-    assert (cache.config.group_pages, cache.config.group_keep) == tuple(DEFAULT_GROUPS.values())
+    cache = LocksCache(mc, method=HIER_METHOD, config=method_config(HIER_METHOD, LocksConfig(budget=64)))
+    assert (cache.config.group_pages, cache.config.group_keep, cache.config.budget) == (
+        *DEFAULT_GROUPS.values(), 64)
+    assert LocksCache(mc, method=HIER_METHOD).config.group_pages == DEFAULT_GROUPS["group_pages"]
     assert LocksCache(mc, method=HIER_METHOD, config=LocksConfig(group_pages=4)).config.group_pages == 4
-    fork = cache.fork(config=LocksConfig(budget=128))
-    assert fork.method == HIER_METHOD and fork.config.group_pages == DEFAULT_GROUPS["group_pages"]
+    with pytest.raises(ValueError, match="method_config"):  # an explicit config is never rewritten
+        LocksCache(mc, method=HIER_METHOD, config=LocksConfig(budget=64))
+    fork = cache.fork()
+    assert fork.method == HIER_METHOD and fork.config == cache.config

@@ -143,3 +143,43 @@ def test_triton_backend_selects_the_torch_backend_pages(mode):
     moved = SummaryStore(*(t[perm] for t in store._fields()))
     tri.run(q, k, v, moved, table, seq, summary_table=torch.argsort(perm)[table.long()].to(torch.int32))
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
+
+
+def _hf_layer(method, cfg, backend, *, b=2, hkv=2, g=2, n=300, d=64, seed=0):
+    """A one-layer LocksCache holding ``n`` random tokens, and a decode query ``[B, Hq, 1, D]``."""
+    from transformers import LlamaConfig
+
+    from kvlocks.integrations.hf import LocksCache
+
+    mc = LlamaConfig(vocab_size=64, hidden_size=hkv * g * d, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=hkv * g, num_key_value_heads=hkv, head_dim=d, max_position_embeddings=4096)
+    cache = LocksCache(mc, method=method, config=cfg, backend=backend)
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, hkv, n, d, generator=gen) + torch.randn(b, hkv, 1, d, generator=gen)
+    layer = cache.layers[0]
+    layer.update(keys, torch.randn(b, hkv, n, d, generator=gen))
+    return cache, layer, torch.randn(b, hkv * g, 1, d, generator=gen) * 1.5
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("method", ["locks", "oracle"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_hf_cache_selects_the_reference_pages(mode, method, backend):
+    """The Hugging Face cache's decode step on the plan (cpu backend; triton through the interpreter)
+    selects the pages of the token-major references (choose_pages) and attends them: the locks
+    selector runs the whole plan, the oracle its own scores and the plan's select -> attend."""
+    from kvlocks.attention.reference import sparse_decode
+    from kvlocks.selection.selectors import LayerView, choose_pages
+
+    cfg = LocksConfig(budget=64, **MODES[mode])
+    cache, layer, query = _hf_layer(method, cfg, backend, n=300 if backend == "cpu" else 150)  # 150: the interpreter
+    out = layer.decode(query, layer.keys, layer.values, None, 0.125)  # [B, 1, Hq, D]
+    (plan,) = cache.plans.plans.values()
+    assert plan.backend == backend
+    q = query[:, :, 0].view(2, 2, 2, 64)
+    view = LayerView(keys=layer.keys, summaries=layer.store.summaries, token_mask=None, scale=0.125)
+    ref = choose_pages(q, view, cfg, cache.selector)  # [B, Hkv, K]
+    assert torch.equal(plan.pages.view(2, 2, -1).long().cpu(), ref)
+    exp, _ = sparse_decode(q, layer.keys, layer.values, ref, S, scale=0.125)
+    torch.testing.assert_close(out[:, 0].reshape(exp.shape), exp, atol=1e-4, rtol=1e-4)
+    assert cache.stats.summary()["pages_selected"] == cfg.pages_per_step

@@ -166,16 +166,20 @@ def test_hf_cache_with_full_coverage_rerank_decodes_as_the_oracle_and_counts_key
     assert sel["rerank"] - sel["locks"] == 2 * 144 * 32 * 4
 
 
-def test_locks_rerank_method_sets_the_default_candidate_multiple_and_forks_with_it():
+def test_locks_rerank_method_builds_its_config_and_runs_an_explicit_one_as_given():
     from transformers import LlamaConfig
 
+    from kvlocks.config import method_config
     from kvlocks.integrations.hf import DEFAULT_RERANK, LocksCache, method_names
 
     mc = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=64)
     assert "locks_rerank" in method_names()
-    cache = LocksCache(mc, method="locks_rerank", config=LocksConfig(budget=64))
+    cache = LocksCache(mc, method="locks_rerank", config=method_config("locks_rerank", LocksConfig(budget=64)))
     assert isinstance(cache.selector, LocksSelector) and cache.config.rerank == DEFAULT_RERANK
+    assert LocksCache(mc, method="locks_rerank").config.rerank == DEFAULT_RERANK
     assert LocksCache(mc, method="locks_rerank", config=LocksConfig(rerank=8)).config.rerank == 8
+    with pytest.raises(ValueError, match="method_config"):  # an explicit config is never rewritten
+        LocksCache(mc, method="locks_rerank", config=LocksConfig(budget=64))
     fork = cache.fork()
     assert fork.method == "locks_rerank" and fork.config.rerank == DEFAULT_RERANK
     assert cache.fork(method="locks", config=LocksConfig(budget=64)).config.rerank == 0

@@ -147,6 +147,41 @@ class LocksConfig(ConfigIO):
         return min(full_pages, max(self.rerank * free, self.rerank_min))
 
 
+# The product's method names that stand for a LocksConfig mode of the ``locks`` selector: the
+# fields each sets where a configuration leaves them at their defaults (:func:`method_config`).
+# Centroid candidates: at least 256 pages, 16 per free slot (docs/locks.md: with k = 8 of 500
+# pages at 8K tokens, 16 (k - 2) candidates miss needle pages the rank-8 summaries find).
+METHOD_MODES = {
+    "locks_rerank": {"rerank": 4},
+    "locks_centroid": {"rerank": 16, "rerank_min": 256, "rerank_scores": "centroid"},
+    "locks_hier": {"group_pages": 16, "group_keep": 2},
+}
+
+
+def in_mode(method: str, config: LocksConfig) -> bool:
+    """Whether ``config`` runs the mode a :data:`METHOD_MODES` name stands for (True for other names)."""
+    if method == "locks_rerank":
+        return config.rerank > 0
+    if method == "locks_centroid":
+        return config.rerank_scores == "centroid"
+    if method == "locks_hier":
+        return config.group_pages > 0
+    return True
+
+
+def method_config(method: str, config: LocksConfig | None = None) -> LocksConfig:
+    """The configuration a method name runs: ``config`` (default ``LocksConfig()``) with the fields
+    of ``METHOD_MODES[method]`` that it leaves at their defaults set (other names: ``config`` as is).
+
+    The one place a method alias becomes configuration: callers that take a method name and
+    settings (the CLI, the lab's evaluation) call it; ``LocksCache`` runs the config it is given.
+    """
+    config = LocksConfig() if config is None else config
+    fields = {f: v for f, v in METHOD_MODES.get(method, {}).items()
+              if getattr(config, f) == LocksConfig.__dataclass_fields__[f].default}
+    return config.replace(**fields) if fields else config
+
+
 @dataclass(frozen=True)
 class DenseLaunch:
     """One launch of the split-KV attention kernel (:func:`kvlocks.attention.triton.paged_decode`):

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from kvlocks.config import LocksConfig
-from kvlocks.selection.selectors import LayerView, OracleSelector, choose_pages
+from kvlocks.config import LocksConfig, method_config
+from kvlocks.selection.selectors import LayerView, LocksSelector, OracleSelector, choose_pages
 from kvlocks.summary.build import build_summaries
 from kvlocks_lab.selectors.locks_centroid import LocksCentroidSelector
 
@@ -81,18 +81,18 @@ def test_the_method_sets_its_candidate_multiple_decodes_as_the_oracle_and_counts
     mc = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=D, max_position_embeddings=1024)
     assert CENTROID_METHOD in method_names()
-    cache = LocksCache(mc, method=CENTROID_METHOD, config=LocksConfig(budget=64))
-    assert isinstance(cache.selector, LocksCentroidSelector)
-    assert (cache.config.rerank, cache.config.rerank_min) == (16, 256)
+    cache = LocksCache(mc, method=CENTROID_METHOD, config=method_config(CENTROID_METHOD, LocksConfig(budget=64)))
+    assert type(cache.selector) is LocksSelector  # a mode of locks: the decode plan runs it
+    assert (cache.config.rerank, cache.config.rerank_min, cache.config.rerank_scores) == (16, 256, "centroid")
     assert (cache.fork().config.rerank, cache.fork().config.rerank_min) == (16, 256)
-    own = LocksCache(mc, method=CENTROID_METHOD, config=LocksConfig(rerank=4, rerank_min=32)).config
+    own = method_config(CENTROID_METHOD, LocksConfig(rerank=4, rerank_min=32))
     assert (own.rerank, own.rerank_min) == (4, 32)
     torch.manual_seed(0)
     model = LlamaForCausalLM(mc).eval()
     enable(model)
     ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(1))
     runs = {}
-    for method, lcfg in ((CENTROID_METHOD, LocksConfig(budget=48, rank=4, rerank=64)),
+    for method, lcfg in ((CENTROID_METHOD, LocksConfig(budget=48, rank=4, rerank=64, rerank_scores="centroid")),
                          ("oracle", LocksConfig(budget=48, rank=4))):
         cache = LocksCache(model.config, method=method, config=lcfg)
         logits = [prefill(model, cache, ids)]

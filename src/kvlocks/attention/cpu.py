@@ -37,7 +37,10 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scale  # [B, Hkv, G, K*S]
     logits = logits.masked_fill(~real.unsqueeze(-2), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G]
-    o = torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), vals.float())  # [B, Hkv, G, D]
+    vals = vals.float()
+    if not bool(real.all()):  # unwritten slots may hold anything (NaN too): their weight 0 must stay 0
+        vals = vals.masked_fill(~real.unsqueeze(-1), 0.0)
+    o = torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), vals)  # [B, Hkv, G, D]
     out = torch.empty_like(queries) if out is None else out
     out.copy_(o.reshape(bsz, hq, d))
     return out, lse.reshape(bsz, hq)

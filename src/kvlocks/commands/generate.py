@@ -30,13 +30,11 @@ TEMPERATURE = 0.7
 
 
 def add_parser(sub) -> None:
-    from kvlocks.config import BASIS_BITS, COMBINE_RULES, RERANK_SCORES
-    from kvlocks.selection.hierarchy import HIER_METHOD
-    from kvlocks.selection.rerank import RERANK_METHOD
+    from kvlocks.config import BASIS_BITS, COMBINE_RULES, METHOD_MODES, RERANK_SCORES
     from kvlocks.selection.selectors import selector_names
 
     # kvlocks.integrations.hf.method_names(), without importing transformers before the checks
-    methods = ("full", RERANK_METHOD, HIER_METHOD, *selector_names())
+    methods = tuple(dict.fromkeys(("full", *METHOD_MODES, *selector_names())))
     p = sub.add_parser("generate", help="generate with a LOCKS cache and report bytes read")
     add_model_args(p, model_help="; with --cache: the model the file was made for")
     p.add_argument("--method", default=None, choices=MethodList(methods), metavar="METHOD[,METHOD...]",
@@ -61,7 +59,9 @@ def add_parser(sub) -> None:
                    help="how the query heads of a GQA group combine their page scores "
                         f"(default: {LOCKS_DEFAULTS['combine']})")
     p.add_argument("--rerank", type=int, default=None, help="two-stage selection: the scores choose this many "
-                   "times (k - 2) candidate pages, their exact masses from their keys pick the k (2..64; default: off)")
+                   "times (k - 2) candidate pages, their exact masses from their keys pick the k (2..64; default: "
+                   "off; --method locks_rerank / locks_centroid set it where it is not given); on the Hugging Face "
+                   "path and the engine alike")
     p.add_argument("--rerank-min", type=int, default=None, help="with --rerank: at least this many candidates")
     p.add_argument("--rerank-scores", default=None, choices=RERANK_SCORES,
                    help="with --rerank: what chooses the candidates: the whole summaries (Eq. 4) or their centroids "
@@ -197,6 +197,10 @@ def run(args) -> int:
         args.method = args.method or "locks"
     dense = ("--method full" if args.method == "full" else "--engine dense" if args.engine == "dense" else None)
     config = _locks_config(args, dense)
+    if args.method and "," not in args.method:  # a mode name (locks_rerank, ...) sets the fields not given
+        from kvlocks.config import method_config
+
+        config = method_config(args.method, config)
     messages = _read_messages(args)
     check_model_args(args)
     model, tok = load_model(args)
@@ -300,11 +304,10 @@ def _run_engine(args, model, tok, ids, config) -> int:
 def _method(name: str, model, tok, prompt: str):
     """A selector name, or the selector's own ``prepare(model, tok, prompt)`` result for selectors
     that must be fitted before a run (Loki's calibration on other text than the prompt)."""
-    from kvlocks.selection.hierarchy import HIER_METHOD
-    from kvlocks.selection.rerank import RERANK_METHOD
+    from kvlocks.config import METHOD_MODES
     from kvlocks.selection.selectors import get_selector
 
-    if name in ("full", RERANK_METHOD, HIER_METHOD):  # the cache's own method names, not registered selectors
+    if name == "full" or name in METHOD_MODES:  # the cache's own method names, not registered selectors
         return name
 
     selector = get_selector(name)

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.config import LocksConfig
+from kvlocks.config import METHOD_MODES, LocksConfig
 from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
 from kvlocks.summary.build import build_summaries
 from kvlocks.summary.types import PageSummaries
 
 NEG_INF = float("-inf")
 HIER_METHOD = "locks_hier"  # the method name of LOCKS with hierarchical scoring (LocksCache, the CLI, eval)
-DEFAULT_GROUPS = {"group_pages": 16, "group_keep": 2}  # its groups when the configuration sets none
+DEFAULT_GROUPS = METHOD_MODES[HIER_METHOD]  # its groups (kvlocks.config.method_config)
 
 
 def group_config(config: LocksConfig) -> LocksConfig:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.config import LocksConfig
+from kvlocks.config import METHOD_MODES, LocksConfig
 from kvlocks.pages import full_pages
 from kvlocks.scoring.reference import combine_group
 
 NEG_INF = float("-inf")
 RERANK_METHOD = "locks_rerank"  # the method name of LOCKS with the re-rank (LocksCache, the CLI, eval)
-DEFAULT_RERANK = 4  # its candidate multiple when the configuration sets none
+DEFAULT_RERANK = METHOD_MODES[RERANK_METHOD]["rerank"]  # its candidate multiple (kvlocks.config.method_config)
 
 
 def candidates(pick: torch.Tensor, count: int) -> torch.Tensor:

@@ -70,9 +70,7 @@ class Selector(Protocol):
       then returns ``[..., G, K]`` (see :mod:`kvlocks_lab.selectors.oracle_per_head`);
     - ``bytes_per_page(config, head_dim, elem_size) -> (payload, scales)`` and
       ``selection_bytes(config, head_dim, elem_size, full_pages) -> float``: the bytes a selector
-      with its own resident summary reads per page and per step (one KV head);
-    - ``config_defaults``: ``LocksConfig`` fields the cache sets where the configuration leaves them at
-      their defaults.
+      with its own resident summary reads per page and per step (one KV head).
     """
 
     name: str
@@ -151,6 +149,26 @@ def get_selector(name: str) -> Selector:
     raise ValueError(f"unknown selector {name!r}; allowed {list(selector_names())}")
 
 
+def rank_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, selector: Selector):
+    """The combined ranking of the full pages and the per-head scores an exact re-rank starts from.
+
+    queries ``[..., G, D]`` -> ``(ranking [..., Pc], scores [..., G, Pc] or None)``: float32; a page no
+    query head can score (padding only) ranks ``-inf``; ``scores`` is None where the re-rank does not
+    apply (``config.rerank`` off, or a selector that reads every key). Not for ``per_head`` selectors.
+    The decode plan takes both (:meth:`kvlocks.plan.DecodePlan.run_ranked`); :func:`choose_pages` is
+    the token-major reference.
+    """
+    if config.group_pages and isinstance(selector, LocksSelector):  # groups first, then their pages
+        scores, groups = hierarchical_page_scores(queries, view.keys, view.summaries, config, scale=view.scale,
+                                                  token_mask=view.token_mask, groups=view.groups)
+        ranking, scores = hierarchical_ranking(scores, groups, config)
+    else:
+        scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
+        ranking = combine_group(scores, config.combine)  # [..., Pc]
+        ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
+    return ranking, (scores if config.rerank and not selector.reads_all_keys else None)
+
+
 def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, selector: Selector) -> torch.Tensor:
     """Pages to attend at this step: int64 ``[..., K]`` ascending, ``K = min(k, total pages)``.
 
@@ -166,19 +184,14 @@ def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, se
     if view.token_mask is not None:
         sink_start = view.token_mask.float().argmax(dim=-1) // s  # first real token's page
         sink_start = sink_start.unsqueeze(-1).expand(lead) if per_head else sink_start
+    scores = None
     if pc == 0:
         ranking = queries.new_zeros((*lead, 0), dtype=torch.float32)
     elif per_head:
         ranking = selector.page_scores(queries, view, config)  # [..., G, Pc]
-    elif config.group_pages and isinstance(selector, LocksSelector):  # groups first, then their pages
-        scores, groups = hierarchical_page_scores(queries, view.keys, view.summaries, config, scale=view.scale,
-                                                  token_mask=view.token_mask, groups=view.groups)
-        ranking, scores = hierarchical_ranking(scores, groups, config)
     else:
-        scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
-        ranking = combine_group(scores, config.combine)  # [..., Pc]
-        ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
-    if pc and not per_head and config.rerank and not selector.reads_all_keys:  # exact masses of the candidates
+        ranking, scores = rank_pages(queries, view, config, selector)
+    if scores is not None:  # exact masses of the candidates
         ranking = rerank_ranking(queries, view.keys, scores, ranking, config, scale=view.scale, total_pages=total,
                                  token_mask=view.token_mask, sink_start=sink_start)
     return select_top_pages(

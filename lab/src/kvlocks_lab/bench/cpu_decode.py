@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.config import LocksConfig
+from kvlocks.config import LocksConfig, method_config
 from kvlocks.integrations.hf import LocksCache
 from kvlocks.integrations.hf.decode import prefill, step
 
@@ -60,7 +60,7 @@ class CpuDecodeConfig:
 
 def open_method(shared: LocksCache, name: str, config: LocksConfig) -> LocksCache:
     """A fork of ``shared`` for ``name``: ``full``, a selector, or ``NAME_ref`` (references)."""
-    fork = shared.fork(method=name.removesuffix("_ref"), config=config)
+    fork = shared.fork(method=name.removesuffix("_ref"), config=method_config(name.removesuffix("_ref"), config))
     if name.endswith("_ref"):
         fork.backend = "torch"
         for layer in fork.layers:  # its own summaries object: the references cache dequantized

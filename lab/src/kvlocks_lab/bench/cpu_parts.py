@@ -4,8 +4,9 @@ Run on layer 0 of a prefilled cache, with a query made of that layer's last key 
 the GQA group (the values do not change the work). Parts:
 
 - ``full``: transformers' SDPA over every token (what the ``full`` method runs);
-- the CPU path (:mod:`kvlocks.integrations.hf.cpu`): ``scores`` (Eq. 4 from the dequantized
-  buffers), ``combine``, ``select``, ``attend`` (copy of the selected pages + SDPA), and
+- the decode plan's ``cpu`` backend (:mod:`kvlocks.scoring.cpu`, :mod:`kvlocks.selection.cpu`,
+  :mod:`kvlocks.attention.cpu`): ``scores`` (Eq. 4 from the dequantized buffers), ``combine``,
+  ``select``, ``attend`` (the selected pages gathered from the paged view, two batched products), and
   ``sync_all`` (dequantizing every page into fresh buffers, paid once per fork);
 - the references (``_ref``): ``scores`` (:func:`~kvlocks.scoring.reference.score_pages_from_summaries`),
   ``combine``, ``select`` (:func:`~kvlocks.selection.topk.select_top_pages`), ``attend``
@@ -41,7 +42,9 @@ def layer_parts(model, cache, method: str) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from kvlocks.attention.reference import sparse_decode
-    from kvlocks.integrations.hf.cpu import ScoringBuffers, attend_pages, page_major, select_pages
+    from kvlocks.attention.cpu import paged_decode
+    from kvlocks.scoring.cpu import ScoringBuffers
+    from kvlocks.selection.cpu import select_rows
     from kvlocks.scoring.reference import combine_group, exact_page_lse, score_pages_from_summaries
     from kvlocks.selection.topk import select_top_pages
     from kvlocks.summary.build import build_summaries
@@ -83,11 +86,16 @@ def layer_parts(model, cache, method: str) -> dict:
         parts["attend"] = _ms(lambda: sparse_decode(q, key, value, pages, s, scale=scale))
     else:
         flat = ranking.reshape(b * hkv, -1)
-        sel = lambda: select_pages(flat, total, k, config.sink_pages, config.recent_pages)
+        rows = torch.full((b * hkv,), n)
+        sel = lambda: select_rows(flat, rows // s, (rows + s - 1) // s, k, sink_pages=config.sink_pages,
+                                  recent_pages=config.recent_pages)
         parts["select"] = _ms(sel)
-        pages = sel().view(b, hkv, -1)
-        kbuf, vbuf = page_major(store._k, s), page_major(store._v, s)
-        parts["attend"] = _ms(lambda: attend_pages(q, kbuf, vbuf, pages, n, s, scale))
+        pages = sel().view(b * hkv, 1, -1)
+        width = store._k.shape[2] // s  # the store's paged view: one KV head per row
+        kc, vc = store._k.view(-1, s, 1, d), store._v.view(-1, s, 1, d)
+        table = torch.arange(b * hkv * width, dtype=torch.int32).view(b * hkv, width)
+        qr = q.reshape(b * hkv, g, d)
+        parts["attend"] = _ms(lambda: paged_decode(qr, kc, vc, table, rows, pages, scale=scale))
     if summaries is not None:
         page = key[:, :, (n // s - 1) * s : (n // s) * s].unflatten(2, (1, s))  # [B, Hkv, 1, S, D]
         parts["build_page"] = _ms(lambda: summaries.cat(build_summaries(page, config)))

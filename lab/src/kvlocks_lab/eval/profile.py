@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvlocks.config import LocksConfig
+from kvlocks.config import LocksConfig, method_config
 from kvlocks.integrations.hf.decode import prefill, step
 from kvlocks.integrations.hf import LocksCache
 
@@ -68,7 +68,7 @@ def profile_decode(model, tok, *, length: int = 4096, methods=("full", "locks", 
     feed = (record.context_ids[-(warmup + 3 * steps):] * 4)[: warmup + 3 * steps]
     rows = []
     for method in methods:
-        cache = shared.fork(method=method, config=config)
+        cache = shared.fork(method=method, config=method_config(method, config) if isinstance(method, str) else config)
         for t in feed[:warmup]:
             step(model, cache, t)
         chunks = [feed[warmup + i * steps: warmup + (i + 1) * steps] for i in range(3)]

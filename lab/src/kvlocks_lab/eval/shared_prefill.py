@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from kvlocks.config import LocksConfig
+from kvlocks.config import LocksConfig, method_config
 from kvlocks_lab.eval.compacted import RecordCompactions, compacted_selector_stats, compaction_stats
 from kvlocks.integrations.hf.decode import prefill
 from kvlocks_lab.eval.methods import MethodSpec
@@ -70,7 +70,9 @@ class SharedPrefill:
 
     def open(self, spec: MethodSpec, budget: int | None) -> Opened:
         if spec.kind != "compaction":
-            cache = self.cache.fork(method=spec.base, config=self.base.replace(budget=budget or max(self.budgets)))
+            config = self.base.replace(budget=budget or max(self.budgets))
+            cache = self.cache.fork(method=spec.base, config=method_config(spec.base, config)
+                                    if isinstance(spec.base, str) else config)
             return Opened(cache=cache, stats=cache.stats.summary)
         if self.compactions is None:
             raise ValueError(f"method {spec.name!r} needs compaction settings (RecordCompactions)")

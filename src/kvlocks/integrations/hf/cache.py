@@ -1,56 +1,50 @@
 """The paged LOCKS cache for Hugging Face transformers: :class:`LocksCache` and its layers.
 
-Backends: on CUDA tensors the ``locks`` selector with a configuration the kernels support
-(:func:`kernel_path`: :func:`kvlocks.kernels_support.kernel_support`) runs the Triton kernels
-(summary build, scoring, combine, selection, paged attention); on CPU tensors the decode step
-runs :mod:`kvlocks.integrations.hf.cpu` (the references' pages and attention in fewer, larger
-operations); everything else runs the PyTorch references. ``LocksCache(..., backend="torch" |
-"triton")`` forces the references or the kernels (tests run ``"triton"`` on the CPU through
-``TRITON_INTERPRET=1``). Left-padded batches (a token mask) always take the references: the
-kernels' paged layout and the CPU path have no padding; other head dims than the kernels' 64 and
-128 (Gemma 3's 256) take the CPU path or the references. Hybrid models: sliding-window layers keep
-transformers' own window attention, only global layers are sparse (:mod:`.window`).
+Decode steps run the decode plan (:class:`kvlocks.plan.DecodePlan`, :mod:`.step`) through a paged
+view of each layer's store: on CUDA tensors its ``triton`` backend where the kernels support the
+configuration (:func:`kvlocks.kernels_support.kernel_support`), otherwise its ``cpu`` backend
+(batched PyTorch, any device). Every mode of the configuration (flat, ``rerank``,
+``rerank_scores="centroid"``) runs there; other selectors rank the pages their own way and the plan
+selects and attends. The token-major references (:func:`~kvlocks.selection.selectors.choose_pages`)
+run left-padded batches (a token mask), per-head selectors, hierarchical scoring
+(``group_pages``) and ``backend="torch"``. ``LocksCache(..., backend="cpu" | "triton")`` forces a
+plan backend (tests run ``"triton"`` on the CPU through ``TRITON_INTERPRET=1``). Hybrid models:
+sliding-window layers keep transformers' own window attention, only global layers are sparse
+(:mod:`.window`).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlocks.attention.reference import sparse_decode
 from kvlocks.cache.paged import PagedLayerStore
-from kvlocks.config import LocksConfig
-from kvlocks.integrations.hf.cpu import ScoringBuffers, cpu_decode
+from kvlocks.config import METHOD_MODES, KernelOptions, LocksConfig, in_mode, method_config
+from kvlocks.integrations.hf.step import StepPlans, plan_backend, plan_decode
 from kvlocks.hybrid import layer_windows
 from kvlocks.integrations.hf.window import WindowLayer, check_positions, check_sparse
 from kvlocks.integrations.hf.stats import DecodeStats
-from kvlocks.kernels_support import kernel_support
 from kvlocks.pages import num_pages
 from kvlocks.positions import position_limit
-from kvlocks.selection.hierarchy import DEFAULT_GROUPS, HIER_METHOD
-from kvlocks.selection.rerank import DEFAULT_RERANK, RERANK_METHOD
-from kvlocks.plan import BACKENDS, resolve_backend
+from kvlocks.selection.rerank import DEFAULT_RERANK  # noqa: F401  (re-exported)
+from kvlocks.plan import PLAN_BACKENDS
+from kvlocks.scoring.cpu import ScoringBuffers
 from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
 from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
 
-METHODS = ("full", RERANK_METHOD, HIER_METHOD)  # plus every registered selector name, see method_names()
+METHODS = ("full", *METHOD_MODES)  # plus every registered selector name, see method_names()
 
 
 def method_names() -> tuple[str, ...]:
     from kvlocks.selection.selectors import selector_names
-    return METHODS + selector_names()
+    return tuple(dict.fromkeys(METHODS + selector_names()))
 
 
 def kernel_path(selector, config: LocksConfig, head_dim: int) -> bool:
-    """Whether the Triton kernels implement this (selector, config, head_dim): the default LOCKS
-    selector and a configuration :func:`kvlocks.kernels_support.kernel_support` accepts for them,
-    without the exact re-rank (``config.rerank``, which the engine's plan runs) or hierarchical
-    scoring (``config.group_pages``). Otherwise the cache runs the PyTorch references (the stated
-    fallback)."""
-    return isinstance(selector, LocksSelector) and not (config.rerank or config.group_pages) and kernel_support(
-        page_size=config.page_size, rank=config.rank, head_dim=head_dim, basis_bits=config.basis_bits,
-        coef_bits=config.coef_bits, backend="triton") is None
+    """Whether a decode step of this (selector, config, head_dim) on CUDA tensors runs the plan's
+    Triton backend; otherwise the plan's ``cpu`` backend or, for per-head selectors and hierarchical
+    scoring, the references (:func:`.step.plan_backend`)."""
+    return plan_backend(None, selector, config, head_dim, "cuda") == "triton"
 
 
 class _LayerStore(PagedLayerStore):
@@ -60,7 +54,7 @@ class _LayerStore(PagedLayerStore):
     def __init__(self, config: LocksConfig, *, build: bool, owner: "LocksCache") -> None:
         super().__init__(config, build=build)
         self.owner = owner
-        self.scoring = ScoringBuffers()  # the CPU path's dequantized summaries (.cpu)
+        self.scoring = ScoringBuffers()  # the plan's cpu backend: dequantized summaries
 
     def truncate(self, length: int) -> None:
         super().truncate(length)
@@ -152,15 +146,9 @@ class LocksLayer(DynamicLayer):
         hkv = key.shape[1]
         q = query[:, :, 0, :].reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
         token_mask = _token_mask(attention_mask, key)
-        if token_mask is None and self.owner.uses_kernels(key):
-            out = _kernel_decode(q, key, value, self.store.summaries, self.owner.config, scaling)
-            self.owner.record(self.layer_idx, key, min(self.owner.config.pages_per_step,
-                                                       -(-key.shape[2] // self.owner.config.page_size)))
-            return out.reshape(b, hq, d).unsqueeze(1)
-        if token_mask is None and self.owner.backend is None and key.device.type == "cpu":
-            out = cpu_decode(self, q, key, value, scaling)
-            if out is not None:
-                return out.reshape(b, hq, d).unsqueeze(1)
+        backend = None if token_mask is not None else self.owner.plan_backend(key)
+        if backend is not None:  # the decode plan over a paged view of the store
+            return plan_decode(self, q, key, scaling, backend).reshape(b, hq, d).unsqueeze(1)
         view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling,
                          layer=self.layer_idx, groups=self.store.groups)
         pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K] ([B, Hkv, G, K] per head)
@@ -173,57 +161,6 @@ class LocksLayer(DynamicLayer):
             read = pages.shape[-1]
         self.owner.record(self.layer_idx, key, read)
         return out.reshape(b, hq, d).unsqueeze(1)
-
-
-def _kernel_decode(q, key, value, summaries, config: LocksConfig, scale: float) -> torch.Tensor:
-    """The LOCKS decode step on the Triton kernels, same result as the reference path.
-
-    q ``[B, Hkv, G, D]``; key/value ``[B, Hkv, N, D]`` views of the page-aligned store; summaries
-    of the ``N // S`` full pages (leading dims ``[B, Hkv]``). Returns ``[B, Hkv, G, D]``.
-    """
-    from kvlocks.attention.triton import sparse_decode as tri_attend
-    from kvlocks.scoring.triton import combine_group, score_pages_from_summaries
-    from kvlocks.selection.triton import select_top_pages
-
-    s, n = config.page_size, key.shape[2]
-    pc, total = n // s, -(-n // s)
-    if pc == 0:  # no full page yet: every page is forced (sink and recent)
-        pages = torch.arange(min(total, config.pages_per_step), device=q.device).expand(*q.shape[:2], -1)
-    else:
-        scores = score_pages_from_summaries(q, summaries, scale=scale)  # [B, Hkv, G, Pc]
-        ranking = combine_group(scores, config.combine)  # [B, Hkv, Pc]
-        ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
-        pages = select_top_pages(ranking, total, config.pages_per_step, sink_pages=config.sink_pages,
-                                 recent_pages=config.recent_pages)  # [B, Hkv, K] int64 ascending
-    paged = _paged_view(key, value, s)
-    if paged is None:  # not a page-aligned store view: the adapter copies K/V into pages
-        return tri_attend(q, key, value, pages, s, scale=scale)[0]
-    from kvlocks.plan import paged_decode
-
-    kc, vc, table = paged
-    rows = table.shape[0]  # B * Hkv sequences of one KV head each
-    seq = torch.full((rows,), n, dtype=torch.int32, device=q.device)
-    plist = pages.reshape(rows, 1, -1).to(torch.int32)
-    out, _ = paged_decode(q.reshape(rows, q.shape[2], q.shape[3]), kc, vc, table, seq, plist, scale=scale,
-                          backend="triton")
-    return out.view(q.shape)
-
-
-def _paged_view(key, value, s: int):
-    """Zero-copy paged view of the store's ``[B, Hkv, N, D]`` slices of ``[B, Hkv, cap, D]``
-    buffers: caches ``[B * Hkv * cap / S, S, 1, D]`` and the block table ``[B * Hkv, P]``
-    (row ``b * Hkv + h`` is one sequence with one KV head). None when the strides do not allow it."""
-    b, hkv, n, d = key.shape
-    st = key.stride()
-    if value.stride() != st or st[3] != 1 or st[2] != d or st[1] % (s * d) or st[0] != hkv * st[1]:
-        return None
-    per_row = st[1] // (s * d)  # pages per (sequence, head) row of the buffer
-    shape, strides = (b * hkv * per_row, s, 1, d), (s * d, d, d, 1)
-    kc = key.as_strided(shape, strides, key.storage_offset())
-    vc = value.as_strided(shape, strides, value.storage_offset())
-    p = -(-n // s)
-    rows = torch.arange(b * hkv, device=key.device, dtype=torch.int32)[:, None] * per_row
-    return kc, vc, rows + torch.arange(p, device=key.device, dtype=torch.int32)[None, :]
 
 
 def _token_mask(attention_mask, key) -> torch.Tensor | None:
@@ -243,20 +180,25 @@ class LocksCache(Cache):
     Parameters
     ----------
     model_config : the model's ``PretrainedConfig`` (for the number of layers)
-    method : ``"full"`` (dense attention), a selector name (``"locks"``, ``"oracle"``, ...),
-        ``"locks_rerank"`` (``locks`` with the exact re-rank: ``config.rerank``, or 4 when it is 0) or a
-        selector instance (e.g. ``LokiSelector(calibration)``, ``QuestSelector(bits=8)``)
-    config : LocksConfig
-    backend : ``"torch"`` (the references), ``"triton"`` or None (Triton for CUDA tensors when
-        :func:`kernel_path` holds, :mod:`kvlocks.integrations.hf.cpu` for CPU tensors, the
-        references otherwise)
+    method : ``"full"`` (dense attention), a selector name (``"locks"``, ``"oracle"``, ...), a mode
+        of ``locks`` (``"locks_rerank"``, ``"locks_centroid"``, ``"locks_hier"``:
+        :data:`kvlocks.config.METHOD_MODES`) or a selector instance (e.g. ``LokiSelector(calibration)``)
+    config : LocksConfig, run as given. None: ``method_config(method)`` (the mode's settings). With
+        a mode name the config must be in that mode (ValueError otherwise; build it with
+        :func:`kvlocks.config.method_config`)
+    backend : ``"torch"`` (the token-major references), ``"cpu"`` or ``"triton"`` (the decode
+        plan's backend), or None (the plan: Triton for CUDA tensors where the kernels support the
+        configuration, else ``"cpu"``)
+    kernel_options : KernelOptions for the plan's Triton backend (None: the defaults)
     """
 
     def __init__(self, model_config, *, method: "str | Selector" = "locks", config: LocksConfig | None = None,
-                 backend: str | None = None) -> None:
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: allowed {BACKENDS} or None")
-        self.backend = backend
+                 backend: str | None = None, kernel_options: KernelOptions | None = None) -> None:
+        if backend is not None and backend not in PLAN_BACKENDS:
+            raise ValueError(f"backend={backend!r}: allowed {PLAN_BACKENDS} or None")
+        if kernel_options is not None and not isinstance(kernel_options, KernelOptions):
+            raise ValueError(f"kernel_options must be a kvlocks.KernelOptions or None, got {type(kernel_options).__name__}")
+        self.backend, self.kernel_options = backend, kernel_options
         if isinstance(method, str):
             if method not in method_names():
                 raise ValueError(f"method={method!r}: allowed {method_names()}")
@@ -267,14 +209,12 @@ class LocksCache(Cache):
         else:
             raise ValueError(f"method={method!r}: allowed {method_names()} or a selector instance")
         self.method = method
-        self.config = config or LocksConfig()
-        if method == RERANK_METHOD and not self.config.rerank:
-            self.config = dataclasses.replace(self.config, rerank=DEFAULT_RERANK)
-        for field, value in getattr(self.selector, "config_defaults", {}).items():  # e.g. its candidates
-            if getattr(self.config, field) == LocksConfig.__dataclass_fields__[field].default:
-                self.config = dataclasses.replace(self.config, **{field: value})
-        if method == HIER_METHOD and not self.config.group_pages:
-            self.config = dataclasses.replace(self.config, **DEFAULT_GROUPS)
+        self.config = method_config(method) if config is None else config
+        if not in_mode(method, self.config):
+            raise ValueError(f"method={method!r} is locks with {METHOD_MODES[method]}, but the config given does not "
+                             f"set that mode ({self.config!r}); pass config=kvlocks.config.method_config({method!r}, "
+                             f"config) or set the fields yourself")
+        self.plans = StepPlans(self.config, kernel_options)
         self.stats = DecodeStats()
         self.model_config = model_config
         self.positions = position_limit(model_config)
@@ -291,9 +231,11 @@ class LocksCache(Cache):
         """
         if method is None:
             method = self.method if self.method in METHODS else (self.selector or "full")
+        if config is None:  # this cache's config, in the mode a mode name stands for
+            config = method_config(method, self.config) if isinstance(method, str) else self.config
         new = type(self).__new__(type(self))  # a subclass forks into its own class ...
-        LocksCache.__init__(new, self.model_config, method=method, config=config or self.config,
-                            backend=self.backend)
+        LocksCache.__init__(new, self.model_config, method=method, config=config, backend=self.backend,
+                            kernel_options=self.kernel_options)
         for src, dst in zip(self.layers, new.layers):
             dst.copy_from(src)
         self._fork_state(new)  # ... and copies its own state
@@ -302,11 +244,13 @@ class LocksCache(Cache):
     def _fork_state(self, new: "LocksCache") -> None:
         """Hook for subclasses: copy state beyond K/V and summaries into the fork ``new``."""
 
+    def plan_backend(self, keys: torch.Tensor) -> str | None:
+        """The decode plan's backend for keys like ``keys [B, Hkv, N, D]`` (None: the references)."""
+        return plan_backend(self.backend, self.selector, self.config, keys.shape[-1], keys.device)
+
     def uses_kernels(self, keys: torch.Tensor | None) -> bool:
-        """Whether this cache runs the Triton kernels for keys like ``keys [B, Hkv, N, D]``."""
-        if keys is None or not kernel_path(self.selector, self.config, keys.shape[-1]):
-            return False
-        return resolve_backend(self.backend, keys.device) == "triton"
+        """Whether this cache runs the Triton kernels (summary build, decode plan) for keys like ``keys``."""
+        return keys is not None and self.plan_backend(keys) == "triton"
 
     def record(self, layer: int, key: torch.Tensor, pages: float) -> None:
         """Add one layer's decode step to the byte accounting (per sequence, all KV heads).
@@ -335,7 +279,10 @@ class LocksCache(Cache):
                 ng, m = store.groups.num_pages, self.config.group_pages
                 read += (self.config.groups_kept(ng) - ng) * m  # the unkept groups' pages are not read
                 groups = ng * sum(store.groups.bytes_per_page())
-            sel = hkv * (read * sum(store.summaries.bytes_per_page()) + groups)
+            per_page = sum(store.summaries.bytes_per_page())
+            if self.config.rerank_scores == "centroid":  # the centroids only: int8 and a float16 scale, or float16
+                per_page = d * self.config.coef_bits // 8 + 2 * (self.config.coef_bits == 8)
+            sel = hkv * (read * per_page + groups)
         if self.selector is not None and self.config.rerank and not self.selector.reads_all_keys:
             pc = n // s  # the re-rank reads the keys of its candidates and of the forced full pages
             exact = min(pc, self.config.rerank_candidates(pc) + self.config.sink_pages + self.config.recent_pages)
