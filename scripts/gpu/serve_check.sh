@@ -63,7 +63,8 @@ where=$($py -c "import kvlocks; print(kvlocks.__file__)")
 case $where in "$purelib"/*) ;; *) fail "kvlocks is imported from $where, not from $purelib" ;; esac
 model=$($py -c "from kvlocks.models import resolve; print(resolve('smollm2-135m'))") || fail "the bundled model did not resolve"
 echo "serve_check: kvlocks from $where; serving $model"
-timeout "${TIMEOUT_S:-540}" $py "$repo/scripts/gpu/serve_check.py" --model "$model" --out "$out" \
+limit=${TIMEOUT_S:-540}  # the server's readiness wait ends 90 s before it, so the JSON is written
+timeout "$limit" $py "$repo/scripts/gpu/serve_check.py" --model "$model" --out "$out" --timeout $((limit - 90)) \
   --serve-arg=--dtype --serve-arg=bfloat16 --serve-arg=--gpu-memory-utilization --serve-arg=0.85
 rc=$?
 $py - "$out/serve_check.json" "$wheel" "$before" <<'EOF'
