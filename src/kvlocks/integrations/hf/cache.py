@@ -104,7 +104,7 @@ class LocksLayer(DynamicLayer):
 
     def count_dense(self, key: torch.Tensor) -> None:
         """Count a dense decode step over ``key [B, Hkv, N, D]`` (every page read)."""
-        self.owner.record(self.layer_idx, key, -(-key.shape[2] // self.owner.config.page_size))
+        self.owner.record(self.layer_idx, key, num_pages(key.shape[2], self.owner.config.page_size))
 
     def copy_from(self, src: "LocksLayer") -> None:
         """Take an independent copy of ``src``'s K/V (a fork; summaries reused when settings match)."""

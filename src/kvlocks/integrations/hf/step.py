@@ -19,6 +19,7 @@ import torch
 from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import LocksConfig
 from kvlocks.kernels_support import kernel_support
+from kvlocks.pages import full_pages, num_pages
 from kvlocks.plan import DecodePlan
 from kvlocks.selection.selectors import LayerView, LocksSelector, rank_pages
 from kvlocks.summary.types import PageSummaries
@@ -99,7 +100,7 @@ def plan_decode(layer, q: torch.Tensor, key: torch.Tensor, scale: float, backend
     seq = torch.full((rows,), n, dtype=torch.int32, device=q.device)
     plan = owner.plans.get(backend, rows, g, d, width, q.dtype, q.device, scale)
     qr = q.reshape(rows, g, d)
-    pc, total = n // s, -(-n // s)
+    pc, total = full_pages(n, s), num_pages(n, s)
     selector = owner.selector
     if total <= cfg.pages_per_step:  # every page is read: nothing to score
         out, _ = plan.run_ranked(qr, kc, vc, table, seq, q.new_zeros((rows, 1, width), dtype=torch.float32))
