@@ -78,7 +78,7 @@ class LocksCPUAttentionImpl(_StockImpl):
 
     def _facts(self) -> layer_table.LayerFacts:
         return layer_table.LayerFacts(
-            attn_type=str(self.attn_type), sliding_window=self.sliding_window,
+            attn_type=self.attn_type, sliding_window=self.sliding_window,
             alibi=self.alibi_slopes is not None, soft_cap=self.logits_soft_cap or None,
             sinks=getattr(self, "sinks", None) is not None, head_size=self.head_size,
             kv_shared_with=getattr(self, "kv_sharing_target_layer_name", None))
@@ -115,7 +115,7 @@ class LocksCPUAttentionImpl(_StockImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if self.locks is not None:
+        if self.kvlocks_decision is not None:  # configured (this layer may still fall back)
             self._report_layers()
         if self.locks is None or attn_metadata is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -201,9 +201,25 @@ def _gather_pages(key_cache, value_cache, pids, pages, n, s):
     return k_sel, v_sel, valid
 
 
+class LocksCPUMetadataBuilder(_StockBackend.get_builder_cls()):
+    """vLLM's CPU metadata builder; made when vLLM sets up its KV cache (engine start, every layer
+    built): the layer table is logged then (strict mode: an error), before any request."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, *args, **kwargs)
+        if current_config() is not None and not layer_table.reported(id(vllm_config)):
+            layers = compat.model_attention_layers(vllm_config)
+            layer_table.report(layer_table.model_decisions(layers, dense="CPU attention"),
+                               strict=current_settings().strict, key=id(vllm_config))
+
+
 class LocksCPUAttentionBackend(_StockBackend):
-    """vLLM's ``CPU_ATTN`` backend with the LOCKS implementation (same name, layout and builder)."""
+    """vLLM's ``CPU_ATTN`` backend with the LOCKS implementation and builder (same name and layout)."""
 
     @staticmethod
     def get_impl_cls():
         return LocksCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return LocksCPUMetadataBuilder
