@@ -10,8 +10,11 @@ in tokens with and without LOCKS."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
 
+import pytest
 from gpu_helpers import HERE, run_engine, save
 
 from kvlocks.config import LocksConfig
@@ -24,13 +27,26 @@ LLM = {"gpu_memory_utilization": 0.95, "kv_cache_memory_bytes": None, "max_model
 CONFIG = LocksConfig(budget=2048)
 
 
+def _blocks(res: dict, log_path) -> int:
+    """The engine's pool in 16-token blocks: from its config, else from vLLM's start-up line."""
+    if res.get("num_gpu_blocks"):
+        return int(res["num_gpu_blocks"])
+    m = re.search(r"GPU KV cache size: ([\d,]+) tokens", log_path.read_text())
+    assert m, f"no pool size in {log_path}"
+    return int(m.group(1).replace(",", "")) // 16
+
+
+@pytest.mark.skipif(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1,
+                    reason="takes 95 % of the GPU: run it alone (vllm_tests.sh OUT 1 tests/vllm_gpu/test_gpu_memory.py)")
 def test_pool_at_095_counts_lockS_memory(tmp_path):
     rng = random.Random(0)
     stock = run_engine({"model": str(MODEL), "llm": LLM, "prompts": [[11] * 100], "max_tokens": 2}, tmp_path, "stock")
+    stock["num_gpu_blocks"] = _blocks(stock, tmp_path / "stock.log")
     n = min(128, -(-stock["num_gpu_blocks"] * 16 * 13 // 10 // 12000))  # 1.3 pools of 12K-token requests
     fill = [[rng.randrange(10, 120000) for _ in range(12000)] for _ in range(n)]
     locks = run_engine({"model": str(MODEL), "llm": LLM, "prompts": fill, "max_tokens": 8,
                         "locks": CONFIG.to_json()}, tmp_path, "locks")
+    locks["num_gpu_blocks"] = _blocks(locks, tmp_path / "locks.log")
     log = (tmp_path / "locks.log").read_text()
     pool_lines = [line for line in log.splitlines() if "the KV pool holds" in line]
     mb = memory.model_bytes(CONFIG, [(True, 8, 128, 2)] * 32, hybrid=False)
