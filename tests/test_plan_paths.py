@@ -64,7 +64,8 @@ def test_sparse_rows_is_one_token_over_more_pages_than_a_step_reads():
     cfg = LocksConfig(budget=64)  # k = 4 pages
     qlen = torch.tensor([1, 1, 1, 5, 1])
     lens = torch.tensor([64, 65, 10, 1000, 49])
-    assert sparse_rows(qlen, lens, cfg).tolist() == [False, True, False, False, False]
+    got = sparse_rows(qlen, lens, page_size=cfg.page_size, k=cfg.pages_per_step)
+    assert got.tolist() == [False, True, False, False, False]
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

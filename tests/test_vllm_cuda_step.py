@@ -55,7 +55,7 @@ def test_plan_pool_cap_follows_budget():
 
     shape = (HKV, G, D, 64, 0.125, torch.float32, torch.device("cpu"), CFG, "triton")
     assert PlanPool(budget_bytes=1 << 40, max_rows=8).cap(shape) == 8
-    per_row = _tensor_bytes(PlanPool._make(shape, 1))
+    per_row = _tensor_bytes(PlanPool()._make(shape, 1))
     assert per_row > 0
     pool = PlanPool(budget_bytes=3 * per_row, max_rows=64)  # plans of 1 and 2 rows: 3 rows' worth
     assert pool.cap(shape) == 2
@@ -248,3 +248,64 @@ def test_captured_step_builds_the_filled_page_and_matches_eager(backend, tmp_pat
         ref, _ = _reference_row(raw, blocks[r].tolist(), int(lens2[r]), query[r], D ** -0.5)
         torch.testing.assert_close(output[r], ref, atol=2e-5, rtol=2e-5)
     assert dec.store.counters.tolist() == [0, 0, 7 + 5 + 9, 3]  # every used page's tags valid
+
+
+MODES = {"flat": {}, "rerank": {"rerank": 2}, "centroid": {"rerank": 2, "rerank_min": 3, "rerank_scores": "centroid"}}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_decode_step_selects_the_token_major_reference_pages_in_every_mode(mode, backend, tmp_path):
+    """A uniform decode step of the CUDA backend's decoder (its DecodePlans; Triton through the
+    interpreter) for each selection mode: the traced pages of every LOCKS row are the plan's torch
+    backend's (``ref_pages``) and the token-major reference's (choose_pages on the row's keys and the
+    store's summaries), and the outputs attend them."""
+    from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
+
+    cfg = LocksConfig(budget=64, **MODES[mode])
+    raw, kv = _fake_cache(seed=6)
+    keys, values = split_flash_kv_cache(kv, HKV, D)
+    blocks = torch.randperm(NB, generator=torch.Generator().manual_seed(7))[: 3 * 9].view(3, 9).to(torch.int32)
+    lens = torch.tensor([140, 40, 97], dtype=torch.int32)
+    qsl = torch.arange(4, dtype=torch.int32)
+    dec = LocksDecoder(cfg, num_kv_heads=HKV, group=G, head_dim=D, scale=D ** -0.5, pool=PlanPool(), backend=backend)
+    store = dec.bind(keys)
+    for r in range(3):
+        store.note_writes(_slots(blocks[r].tolist(), int(lens[r])))
+    sparse, _, locks = step_lens(qsl, lens, S, cfg.pages_per_step)
+    step = LocksStep(num_reqs=3, uniform_decode=True, query_start_loc=qsl, seq_lens=lens, block_table=blocks,
+                     sparse=sparse, locks_lens=locks)
+    query = torch.randn(3, HKV * G, D, generator=torch.Generator().manual_seed(8)) * 2
+    output = torch.zeros_like(query)
+    dec.trace_path = str(tmp_path / "trace.jsonl")
+    dec.run(step, query, keys, values, output, captured=False)
+    recs = [json.loads(line) for line in open(dec.trace_path)]
+    assert [r["seq_len"] for r in recs] == [140, 97]
+    for rec, r in zip(recs, (0, 2)):
+        n = int(lens[r])
+        slots = _slots(blocks[r].tolist(), n)
+        k = raw[slots // S, slots % S, :, :D].transpose(0, 1)  # [Hkv, n, D]
+        v = raw[slots // S, slots % S, :, D:].transpose(0, 1)
+        view = LayerView(keys=k, summaries=store.summaries.gather(blocks[r, : n // S]), token_mask=None,
+                         scale=D ** -0.5)
+        q = query[r].view(HKV, G, D)
+        pages = choose_pages(q, view, cfg, get_selector("locks"))
+        assert rec["pages"] == rec["ref_pages"] == pages.tolist()
+        exp, _ = sparse_decode(q, k, v, pages, S, scale=D ** -0.5)
+        torch.testing.assert_close(output[r], exp.reshape(HKV * G, D), atol=2e-5, rtol=2e-5)
+
+
+def test_plan_pool_takes_the_plugins_kernel_options(monkeypatch):
+    """``$KVLOCKS_VLLM_CONFIG``'s "kernels" object reaches every DecodePlan of the CUDA backend."""
+    from kvlocks.config import KernelOptions
+    from kvlocks.integrations.vllm.settings import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, json.dumps({"budget": 64, "kernels": {"score_kernel": "packed", "pdl": False}}))
+    shape = (HKV, G, D, 64, 0.125, torch.float32, torch.device("cpu"), CFG, "torch")
+    plan = PlanPool().get(shape, 1)
+    assert plan.options == KernelOptions(score_kernel="packed", pdl=False)
+    own = KernelOptions(score_kernel="mma", pdl=False)
+    assert PlanPool(options=own).get(shape, 2).options is own
+    monkeypatch.setenv(ENV_VAR, json.dumps({"kernels": {"score_kernel": "fast"}}))
+    with pytest.raises(ValueError, match="kernels"):
+        PlanPool().get(shape, 1)

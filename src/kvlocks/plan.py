@@ -47,15 +47,14 @@ def resolve_backend(backend: str | None, device) -> str:
     return backend
 
 
-def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, config: LocksConfig) -> torch.Tensor:
+def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, k: int) -> torch.Tensor:
     """bool ``[B]``: the rows that decode sparsely, a single query token (a decode step) over more
-    pages than a step attends (``ceil(seq_lens / S) > k``); the others read every page, which is
-    what the selection would keep, so any dense kernel serves them.
+    pages than a step attends (``ceil(seq_lens / S) > k``, ``k = LocksConfig.pages_per_step``); the
+    others read every page, which is what the selection would keep, so any dense kernel serves them.
 
     query_lens, seq_lens : int ``[B]`` (tokens queried at this step; tokens in the sequence)
     """
-    pages = num_pages(seq_lens.long(), config.page_size)
-    return (query_lens == 1) & (pages > config.pages_per_step)
+    return (query_lens == 1) & (num_pages(seq_lens, page_size) > k)
 
 
 def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scale=None, combine="mean_share",

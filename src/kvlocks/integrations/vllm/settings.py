@@ -8,6 +8,9 @@ The variable is one JSON object. Its ``LocksConfig`` fields (``budget``, ``rank`
   engine start naming the layers and the reasons, instead of a line in the layer table.
   Sliding-window layers are not fallbacks: they run vLLM's attention by design (the window is
   their budget), so strict mode accepts them.
+- ``"kernels"`` (an object of :class:`~kvlocks.config.KernelOptions` fields, default none: the
+  defaults): how the CUDA backend's decode plans launch their kernels, e.g.
+  ``{"budget": 2048, "kernels": {"score_kernel": "packed", "pdl": false}}``.
 
 ``LocksConfig(...).to_json()`` is a valid value (no plugin keys: not strict). Every refusal is a
 ``ValueError`` naming the variable, the key or field, the value and what is allowed.
@@ -20,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 from kvlocks import env
-from kvlocks.config import LocksConfig
+from kvlocks.config import KernelOptions, LocksConfig
 
 ENV_VAR = "KVLOCKS_VLLM_CONFIG"
 
@@ -30,10 +33,18 @@ class PluginSettings:
     """The plugin's own keys of ``$KVLOCKS_VLLM_CONFIG`` (see the module doc)."""
 
     strict: bool = False
+    kernels: KernelOptions | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool):
             raise ValueError(f"${ENV_VAR}: \"strict\"={self.strict!r}: allowed true or false")
+        if isinstance(self.kernels, dict):
+            try:
+                object.__setattr__(self, "kernels", KernelOptions.from_json(json.dumps(self.kernels)))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"${ENV_VAR}: \"kernels\" is not valid KernelOptions: {exc}") from None
+        if self.kernels is not None and not isinstance(self.kernels, KernelOptions):
+            raise ValueError(f"${ENV_VAR}: \"kernels\"={self.kernels!r}: allowed an object of KernelOptions fields")
 
 
 PLUGIN_KEYS = tuple(f.name for f in dataclasses.fields(PluginSettings))
@@ -63,8 +74,10 @@ def parse(text: str) -> tuple[LocksConfig, PluginSettings]:
 def to_text(config: LocksConfig, settings: PluginSettings | None = None) -> str:
     """The JSON :func:`parse` reads back (plugin keys only where they differ from the defaults)."""
     data = json.loads(config.to_json())
-    if settings is not None and settings != PluginSettings():
-        data.update(dataclasses.asdict(settings))
+    if settings is not None and settings.strict:
+        data["strict"] = True
+    if settings is not None and settings.kernels is not None:
+        data["kernels"] = json.loads(settings.kernels.to_json())
     return json.dumps(data, sort_keys=True)
 
 

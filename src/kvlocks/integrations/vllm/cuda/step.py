@@ -30,12 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlocks import env
-from kvlocks.config import LocksConfig
+from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.integrations.vllm.compat import VllmCompatError
 from kvlocks.integrations.vllm.cuda.store import CudaSummaryStore
 from kvlocks.integrations.vllm.sinks import apply_sinks
-from kvlocks.pages import num_pages
-from kvlocks.plan import DecodePlan, paged_score, paged_select
+from kvlocks.plan import DecodePlan, paged_score, sparse_rows
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +47,7 @@ def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``. LOCKS rows get
     ``flash_lens = 1`` and ``locks_lens = seq_len``; the others ``flash_lens = seq_len``, ``locks_lens = 0``.
     """
-    qlen = query_start_loc[1:] - query_start_loc[:-1]  # [B]
-    pages = num_pages(seq_lens, page_size)
-    sparse = (qlen == 1) & (pages > k)
+    sparse = sparse_rows(query_start_loc[1:] - query_start_loc[:-1], seq_lens, page_size=page_size, k=k)  # [B]
     zero = torch.zeros_like(seq_lens)
     return sparse, torch.where(sparse, zero + 1, seq_lens), torch.where(sparse, seq_lens, zero)
 
@@ -107,9 +104,11 @@ def _tensor_bytes(obj, seen=None) -> int:
 class PlanPool:
     """DecodePlans by (shape, batch size), batch sizes powers of two up to a memory-bound cap."""
 
-    def __init__(self, budget_bytes: int | None = None, max_rows: int = 1 << 16) -> None:
+    def __init__(self, budget_bytes: int | None = None, max_rows: int = 1 << 16,
+                 options: KernelOptions | None = None) -> None:
         gib = env.number(PLAN_BUDGET_ENV)
         self.budget = int(gib * 2**30) if budget_bytes is None else int(budget_bytes)
+        self._options = options  # None: the plugin's "kernels" setting, read at the first plan
         self.max_rows = max_rows
         self.plans: dict = {}
         self.caps: dict = {}
@@ -153,11 +152,19 @@ class PlanPool:
             self.plans[key] = self._make(shape, size)
         return self.plans[key]
 
-    @staticmethod
-    def _make(shape: tuple, size: int) -> DecodePlan:
+    @property
+    def options(self) -> KernelOptions | None:
+        """The plans' KernelOptions: the constructor's, else ``$KVLOCKS_VLLM_CONFIG``'s ``"kernels"``."""
+        if self._options is None:
+            from kvlocks.integrations.vllm.plugin import current_settings
+
+            self._options = current_settings().kernels or default_kernel_options()
+        return self._options
+
+    def _make(self, shape: tuple, size: int) -> DecodePlan:
         hkv, g, d, width, scale, dtype, device, config, backend = shape
         return DecodePlan(batch=size, num_kv_heads=hkv, group=g, head_dim=d, max_pages=width, config=config,
-                          dtype=dtype, device=device, scale=scale, backend=backend)
+                          dtype=dtype, device=device, scale=scale, backend=backend, options=self.options)
 
 
 class LocksDecoder:
@@ -246,7 +253,7 @@ class LocksDecoder:
             if self.sinks is not None:
                 apply_sinks(output[sl], lse, self.sinks)
             if trace is not None:
-                self._trace_rows(step, query, sl, plan.pages, *trace)
+                self._trace_rows(step, query, k_cache, v_cache, sl, plan.pages, *trace)
 
     def _validate(self, step, k_cache):
         """Outside a graph: build every full page whose summary is missing or stale (host sync) and
@@ -291,10 +298,10 @@ class LocksDecoder:
                 out = apply_sinks(out, lse, self.sinks)
             output[tok[sl]] = out
             if self.trace_path:
-                ref_pages, ranking = self._reference(q[sl], self.store, bt[sl], lens[sl])
+                ref_pages, ranking = self._reference(q[sl], k_cache, v_cache, bt[sl], lens[sl])
                 self._trace(rows[sl], lens_host, bt[sl, 0], plan.pages, built, ref_pages, ranking)
 
-    def _trace_rows(self, step, query, sl, pages, lens_host, built) -> None:
+    def _trace_rows(self, step, query, k_cache, v_cache, sl, pages, lens_host, built) -> None:
         """Trace the LOCKS rows of chunk ``sl`` of a uniform decode step (row r = token r)."""
         sparse = step.sparse[sl].cpu()
         if not bool(sparse.any()):
@@ -302,18 +309,21 @@ class LocksDecoder:
         local = sparse.nonzero().flatten()
         dev = local.to(query.device)
         q, bt, lens = query[sl][dev], step.block_table[sl][dev], step.seq_lens[sl][dev]
-        ref_pages, ranking = self._reference(q, self.store, bt, lens)
+        ref_pages, ranking = self._reference(q, k_cache, v_cache, bt, lens)
         self._trace(local + sl.start, lens_host, bt[:, 0], pages[dev], built, ref_pages, ranking)
 
-    def _reference(self, q, store, block_table, lens):
-        """The PyTorch reference's selection and combined ranking on the same query and summaries
-        (what the kernels' pages are checked against in traces)."""
-        c = self.config
-        _, _, ranking = paged_score(q, store.summaries, block_table, lens, scale=self.scale, combine=c.combine,
+    def _reference(self, q, k_cache, v_cache, block_table, lens):
+        """The plan's torch backend (the references, every mode of the config) on the same query,
+        cache and summaries: its pages and the Eq. 4 ranking (what the kernels' pages are checked
+        against in traces)."""
+        c, summaries = self.config, self.store.summaries
+        plan = DecodePlan(batch=q.shape[0], num_kv_heads=self.hkv, group=self.g, head_dim=self.d,
+                          max_pages=block_table.shape[1], config=c, dtype=q.dtype, device=q.device, scale=self.scale,
+                          backend="torch")
+        plan.run(q, k_cache, v_cache, summaries, block_table, lens)
+        _, _, ranking = paged_score(q, summaries, block_table, lens, scale=self.scale, combine=c.combine,
                                     backend="torch")
-        pages = paged_select(ranking, lens, page_size=c.page_size, k=c.pages_per_step,
-                             sink_pages=c.sink_pages, recent_pages=c.recent_pages, backend="torch")
-        return pages, ranking
+        return plan.pages, ranking
 
     def _trace(self, rows, lens_host, block0, pages, built, ref_pages, ranking) -> None:
         pages, block0, ref_pages, ranking = pages.cpu(), block0.cpu(), ref_pages.cpu(), ranking.cpu()
