@@ -40,6 +40,7 @@ from kvlocks.integrations.vllm.plugin import current_config, current_settings
 from kvlocks.integrations.vllm.sinks import apply_sinks
 from kvlocks.integrations.vllm.cpu.store import BlockSummaryStore
 from kvlocks.pages import num_pages
+from kvlocks.plan import sparse_rows
 from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,8 @@ class LocksCPUAttentionImpl(_StockImpl):
                                    output_scale, output_block_scale)
         step = compat.step_view(attn_metadata)
         qlen = step.query_start_loc[1:] - step.query_start_loc[:-1]  # [R]
-        total = num_pages(step.seq_lens, self.locks.page_size)  # pages per request
-        sparse = (qlen == 1) & (total > self.locks.pages_per_step) & step.causal  # [R]
+        sparse = sparse_rows(qlen, step.seq_lens, page_size=self.locks.page_size,
+                             k=self.locks.pages_per_step) & step.causal  # [R]
         if not bool(sparse.all()):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
