@@ -36,7 +36,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "~/.cache/kvlocks"),
     Variable("KVLOCKS_MODEL_DIR", "where converted bundled models live", "a directory", "~/.cache/kvlocks/models"),
     Variable("KVLOCKS_VLLM_CONFIG", "the LocksConfig of the vLLM plugin (unset: the plugin is inert)",
-             "a LocksConfig JSON object", None),
+             "a JSON object of LocksConfig fields, plus \"strict\": true|false (any layer that cannot "
+             "run LOCKS is then an error at engine start)", None),
     Variable("KVLOCKS_VLLM_PLAN_GIB", "GiB of decode-plan buffers the vLLM CUDA backend keeps (one plan per "
              "power-of-two batch up to the cap this sets)", "a number > 0", "2", positive_number=True),
     Variable("KVLOCKS_VLLM_TRACE", "(debug) the vLLM backend appends one JSON line per (layer, decode request) "
@@ -47,6 +48,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "it uses at every step", "'1' or '0'", "0", FLAG),
     Variable("KVLOCKS_VLLM_IGNORE_TAGS", "(debug) the vLLM backend ignores its summaries' validity tags "
              "(a negative control for tests)", "'1' or '0'", "0", FLAG),
+    Variable("KVLOCKS_VLLM_COUNTERS", "(debug) the vLLM CUDA backend writes its debug counters (tag mismatches, "
+             "stale summaries used with KVLOCKS_VLLM_VERIFY, LOCKS rows, ...) as JSON to this file when its process "
+             "exits", "a file path", None),
     Variable("KVLOCKS_VLLM_CONNECTOR_TRACE", "(debug) the KV connector appends one JSON line per load and "
              "rejection to this file (unset: no trace)", "a file path", None),
     Variable("KVLOCKS_COMMIT", "(lab) the commit the benchmarks and studies record in their results "

