@@ -162,9 +162,9 @@ def _mutual(folders: dict[str, dict[str, list[str]]]) -> set[tuple[str, str]]:
 
 FOLDERS = _folder_graph(GRAPH)
 # The pairs still importing each other while the one summary store keyed by physical page is being
-# built (cache/ imports summary/ and selection/, their kernels read cache/'s layout). They are being
+# built (cache/ imports summary/, whose kernels read cache/'s layout). They are being
 # removed: test_every_allowed_pair_still_exists fails once one is gone, so the allowance goes with it.
-ALLOWED_PAIRS = {("kvlocks.cache", "kvlocks.selection"), ("kvlocks.cache", "kvlocks.summary")}
+ALLOWED_PAIRS = {("kvlocks.cache", "kvlocks.summary")}
 
 
 def test_folder_pair_finder_finds_a_planted_pair():

@@ -147,6 +147,14 @@ class LocksConfig(ConfigIO):
         return min(full_pages, max(self.rerank * free, self.rerank_min))
 
 
+def group_config(config: LocksConfig) -> LocksConfig:
+    """The configuration of the group summaries (``group_pages``): super-pages of
+    ``group_pages * page_size`` keys at ``group_rank`` (:mod:`kvlocks.selection.hierarchy`)."""
+    size = config.group_pages * config.page_size
+    return LocksConfig(page_size=size, rank=config.group_rank, budget=2 * size, basis_bits=config.basis_bits,
+                       coef_bits=config.coef_bits, combine=config.combine)
+
+
 # The product's method names that stand for a LocksConfig mode of the ``locks`` selector: the
 # fields each sets where a configuration leaves them at their defaults (:func:`method_config`).
 # Centroid candidates: at least 256 pages, 16 per free slot (docs/locks.md: with k = 8 of 500

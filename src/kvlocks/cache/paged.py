@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvlocks._checks import check_finite
-from kvlocks.config import LocksConfig
+from kvlocks.config import LocksConfig, group_config
 from kvlocks.pages import full_pages, num_pages
-from kvlocks.selection.hierarchy import group_config
 from kvlocks.summary.build import build_summaries
 from kvlocks.summary.types import PageSummaries
 

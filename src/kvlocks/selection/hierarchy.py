@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.config import METHOD_MODES, LocksConfig
+from kvlocks.config import METHOD_MODES, LocksConfig, group_config  # noqa: F401  (group_config re-exported)
 from kvlocks.scoring.reference import combine_group, score_pages_from_summaries
 from kvlocks.summary.build import build_summaries
 from kvlocks.summary.types import PageSummaries
@@ -34,13 +34,6 @@ from kvlocks.summary.types import PageSummaries
 NEG_INF = float("-inf")
 HIER_METHOD = "locks_hier"  # the method name of LOCKS with hierarchical scoring (LocksCache, the CLI, eval)
 DEFAULT_GROUPS = METHOD_MODES[HIER_METHOD]  # its groups (kvlocks.config.method_config)
-
-
-def group_config(config: LocksConfig) -> LocksConfig:
-    """The configuration of the group summaries: super-pages of ``group_pages * page_size`` keys."""
-    size = config.group_pages * config.page_size
-    return LocksConfig(page_size=size, rank=config.group_rank, budget=2 * size, basis_bits=config.basis_bits,
-                       coef_bits=config.coef_bits, combine=config.combine)
 
 
 def group_summaries(keys: torch.Tensor, config: LocksConfig) -> PageSummaries:
