@@ -184,3 +184,31 @@ def test_hf_cache_selects_the_reference_pages(mode, method, backend):
     exp, _ = sparse_decode(q, layer.keys, layer.values, ref, S, scale=0.125)
     torch.testing.assert_close(out[:, 0].reshape(exp.shape), exp, atol=1e-4, rtol=1e-4)
     assert cache.stats.summary()["pages_selected"] == cfg.pages_per_step
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_engine_decodes_the_tokens_of_the_hf_cache_in_every_mode(mode):
+    """The static-cache engine (its DecodePlan on the torch backend, on CPU) and the Hugging Face
+    cache (the plan's cpu backend) decode the same greedy tokens on a small random model at a
+    budget that drops pages, for each selection mode."""
+    from kvlocks.engine import DecodeEngine, EngineConfig
+    from kvlocks.engine.models import model_config, random_model
+    from kvlocks.integrations.hf import LocksCache, cache_kwargs, enable
+
+    model = random_model(model_config("llama3.1-8b", num_hidden_layers=2, hidden_size=256, intermediate_size=256,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512),
+                         dtype=torch.float32, device="cpu", seed=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(5.0)  # logits far from flat: clear argmaxes
+    enable(model)  # the "kvlocks" attention: decode steps of a LocksCache select pages
+    ids = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(0))
+    cfg = LocksConfig(budget=48, **MODES[mode])  # 3 of 10 pages
+    cache = LocksCache(model.config, method="locks", config=cfg)
+    hf = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                        pad_token_id=0, **cache_kwargs(model, cache))[:, ids.shape[1]:]
+    eng = DecodeEngine(model, EngineConfig(method="locks", locks=cfg, max_context=176))
+    assert eng.backend == "torch"
+    assert torch.equal(eng.generate(ids, max_new_tokens=12), hf)
+    assert cache.stats.summary()["pages_selected"] == cfg.pages_per_step
