@@ -45,11 +45,11 @@ def paged(lens, hkv, g, d, *, seed=0, extra=3):
     k = torch.randn(num_pages, S, hkv, d, generator=gen) + 0.7 * torch.randn(num_pages, 1, hkv, d, generator=gen)
     v = torch.randn(num_pages, S, hkv, d, generator=gen)
     q = torch.randn(len(lens), hkv * g, d, generator=gen) * 1.5
-    return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+    return [t.to(DEV) for t in (q, k, v, table, torch.tensor(lens, dtype=torch.int32))]
 
 
 def store_of(k, table, seq, cfg):
-    store = SummaryStore.empty(k.shape[0], k.shape[2], k.shape[3], cfg)
+    store = SummaryStore.empty(k.shape[0], k.shape[2], k.shape[3], cfg, device=k.device)
     full = torch.cat([table[b, : int(seq[b]) // S] for b in range(len(seq))])
     paged_build(k, store, full, cfg, backend="torch")
     return store
@@ -140,7 +140,7 @@ def test_triton_backend_selects_the_torch_backend_pages(mode):
     out_t, _ = tri.run(q, k, v, store, table, seq)
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
     assert torch.allclose(out_t, out_r, atol=1e-4)
-    perm = torch.randperm(store.num_pages)  # slot j holds page perm[j]: found through summary_table
+    perm = torch.randperm(store.num_pages).to(DEV)  # slot j holds page perm[j]: found through summary_table
     moved = SummaryStore(*(t[perm] for t in store._fields()))
     tri.run(q, k, v, moved, table, seq, summary_table=torch.argsort(perm)[table.long()].to(torch.int32))
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
@@ -158,8 +158,8 @@ def _hf_layer(method, cfg, backend, *, b=2, hkv=2, g=2, n=300, d=64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(b, hkv, n, d, generator=gen) + torch.randn(b, hkv, 1, d, generator=gen)
     layer = cache.layers[0]
-    layer.update(keys, torch.randn(b, hkv, n, d, generator=gen))
-    return cache, layer, torch.randn(b, hkv * g, 1, d, generator=gen) * 1.5
+    layer.update(keys.to(DEV), torch.randn(b, hkv, n, d, generator=gen).to(DEV))
+    return cache, layer, (torch.randn(b, hkv * g, 1, d, generator=gen) * 1.5).to(DEV)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
@@ -180,7 +180,7 @@ def test_hf_cache_selects_the_reference_pages(mode, method, backend):
     q = query[:, :, 0].view(2, 2, 2, 64)
     view = LayerView(keys=layer.keys, summaries=layer.store.summaries, token_mask=None, scale=0.125)
     ref = choose_pages(q, view, cfg, cache.selector)  # [B, Hkv, K]
-    assert torch.equal(plan.pages.view(2, 2, -1).long().cpu(), ref)
+    assert torch.equal(plan.pages.view(2, 2, -1).long(), ref)
     exp, _ = sparse_decode(q, layer.keys, layer.values, ref, S, scale=0.125)
     torch.testing.assert_close(out[:, 0].reshape(exp.shape), exp, atol=1e-4, rtol=1e-4)
     assert cache.stats.summary()["pages_selected"] == cfg.pages_per_step
