@@ -28,7 +28,8 @@ GPU_LLM = {"gpu_memory_utilization": GPU_SHARE, "kv_cache_memory_bytes": KV_BYTE
 BASE_LLM = {"dtype": "bfloat16", **GPU_LLM, "max_num_seqs": 8,
             "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}}
 DEBUG_VARS = ("KVLOCKS_VLLM_CONFIG", "KVLOCKS_VLLM_TRACE", "KVLOCKS_VLLM_VERIFY", "KVLOCKS_VLLM_CHECK",
-              "KVLOCKS_VLLM_IGNORE_TAGS", "KVLOCKS_VLLM_CONNECTOR_TRACE", "VLLM_BATCH_INVARIANT")
+              "KVLOCKS_VLLM_IGNORE_TAGS", "KVLOCKS_VLLM_CONNECTOR_TRACE", "KVLOCKS_VLLM_COUNTERS",
+              "VLLM_BATCH_INVARIANT")
 
 
 def worker_env() -> dict:
