@@ -124,8 +124,8 @@ def _at_profiling(vllm_config, query: torch.Tensor) -> None:
                  for l in model_attention_layers(vllm_config).values()
                  if not getattr(l.impl, "kv_sharing_target_layer_name", None)]
     kv_layers = [x for x in kv_layers if x[1] and x[2]]
-    hybrid = any(getattr(l.impl, "sliding_window", None) not in (None, (-1, -1))
-                 for l in model_attention_layers(vllm_config).values())
+    hybrid = any(getattr(l.impl, "sliding_window", None) not in (None, -1, 0, (-1, -1))
+                 for l in model_attention_layers(vllm_config).values())  # FlashAttention: (W - 1, 0)
     config = impls[0][1].locks if impls else current_config()
     memory.RESERVE.model = memory.model_bytes(config, kv_layers, hybrid=hybrid)
     memory.RESERVE.plan_bytes = plan_bytes
