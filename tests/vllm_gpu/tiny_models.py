@@ -3,7 +3,8 @@ transformers (the GPU machine's) for vLLM to load from disk: a Gemma-3-like hybr
 layers around global ones, head_dim 256) and a gpt-oss-like model (alternating 128-token windows,
 learned per-head sinks set large enough to matter, head_dim 64). transformers' own initialisation
 (normal, std 0.02) gives non-degenerate attention, unlike vLLM's ``load_format="dummy"`` (weights in
-±1e-3). No tokenizer: the engines take prompt token ids (``skip_tokenizer_init``)."""
+±1e-3). No tokenizer: the engines take prompt token ids (``skip_tokenizer_init``); the weights are saved in
+bfloat16 and the engines run in bfloat16 (``gpu_helpers.BASE_LLM``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ def gemma3_like(out: Path, *, layers: int = 12, window: int = 128) -> tuple[Path
     types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
     cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=window,
-                           layer_types=types, max_position_embeddings=8192, query_pre_attn_scalar=256,
-                           torch_dtype="bfloat16")
+                           layer_types=types, max_position_embeddings=8192, query_pre_attn_scalar=256)
     torch.manual_seed(0)
     Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     return out, [i for i, t in enumerate(types) if t == "full_attention"]
@@ -34,8 +34,7 @@ def gpt_oss_like(out: Path, *, layers: int = 4) -> Path:
 
     cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=4,
-                       num_experts_per_tok=2, sliding_window=128, max_position_embeddings=8192,
-                       torch_dtype="bfloat16")
+                       num_experts_per_tok=2, sliding_window=128, max_position_embeddings=8192)
     torch.manual_seed(0)
     model = GptOssForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
