@@ -18,7 +18,7 @@
      shuffles per step the only exchange; coefficients from the accumulated rotations.
 
    ``"auto"`` is ``onesided`` with Triton >= 3.9 up to head_dim 128 (launched with a register
-   cap, ``ONESIDED_LAUNCH``) and ``lean`` before and at head_dim 256 (``ONESIDED_MAX_AUTO_D``): on
+   cap, ``ONESIDED_LAUNCH``) and ``lean`` before and at head_dim 256 (``ONESIDED_MAX_D``): on
    the H200, llama3-8b at 1M, whole model, Triton 3.9 one-sided at 168 registers per thread
    0.982 s, uncapped 1.103, lean 1.096; Triton 3.6 lowers the one-sided row swaps through shared
    memory and is 3x slower there (3.52 s vs lean 1.19; docs/benchmarks.md);
@@ -107,13 +107,13 @@ _build_tuned = triton.autotune(_BUILD_CONFIGS, key=["Hkv", "S", "D", "R", "WRITE
 # with 216 B of stack per thread. Caps 144-208 timed on the H200 (llama3-8b at 1M, docs/benchmarks.md):
 # 168 fastest (0.982 s); 160 (also 12 per SM, more spills) 0.993 s, 176 (11 per SM) 1.111 s.
 ONESIDED_LAUNCH = {"BP": 1, "num_warps": 1, "maxnreg": 168}
-# head_dim 256: the one-sided solver rotates the centred keys themselves, [S, D] float32 = 128
-# values per thread of a 1-warp program before any other state (64 at D = 128, where it already
-# needs 255 registers uncapped), so "auto" takes lean there: its sweeps hold the 16 x 16 Gram and
-# eigenvectors whatever D is, and it re-reads the keys for the basis. A pinned one-sided build at
-# D = 256 runs on 2 warps (the keys 64 values per thread, as at D = 128 on one warp).
-ONESIDED_MAX_AUTO_D = 128
-ONESIDED_LAUNCH_256 = {"BP": 1, "num_warps": 2, "maxnreg": 168}
+# The one-sided solver up to head_dim 128 only. At 256 it keeps the centred keys [S, D] float32 in
+# registers through the sweeps (128 values per thread of a 1-warp program; at 128 it needs 255
+# registers uncapped already), and its 5 sweeps do not converge on every page: a page of random
+# bfloat16 keys (8th/9th eigenvalue gap 1.8 % of the largest) needed 20 sweeps, at 5 and 10 its
+# rank-8 reconstruction was 0.28 off the float64 reference's (lean: exact at 5). Lean holds the
+# 16 x 16 Gram and eigenvectors whatever D is and re-reads the keys for the basis.
+ONESIDED_MAX_D = 128
 
 
 def incremental_launch(head_dim: int, cuda: bool) -> dict:
@@ -135,11 +135,15 @@ def _triton_version() -> tuple[int, int]:
 
 def resolve_solver(solver: str = "auto", head_dim: int = 128) -> str:
     """``"lean"`` or ``"onesided"``; ``"auto"``: one-sided with Triton >= 3.9 up to head_dim 128,
-    lean before and at head_dim 256 (:data:`ONESIDED_MAX_AUTO_D`)."""
+    lean before and at head_dim 256 (:data:`ONESIDED_MAX_D`); ``"onesided"`` above it is refused."""
     if solver not in BUILD_SOLVERS:
         raise ValueError(f"solver={solver!r}: allowed {BUILD_SOLVERS}")
     if solver == "auto":
-        return "onesided" if _triton_version() >= (3, 9) and head_dim <= ONESIDED_MAX_AUTO_D else "lean"
+        return "onesided" if _triton_version() >= (3, 9) and head_dim <= ONESIDED_MAX_D else "lean"
+    if solver == "onesided" and head_dim > ONESIDED_MAX_D:
+        raise ValueError(f"build_solver='onesided' at head_dim={head_dim}: the one-sided solver takes head_dim "
+                         f"up to {ONESIDED_MAX_D} (its sweeps leave some pages unconverged at 256); use 'lean' "
+                         "or 'auto'")
     return solver
 
 
@@ -152,7 +156,7 @@ def _launch(k_cache, store, ids, n_items, table, incremental, eig=None, sweeps=S
     tb = table if table is not None else ids
     tuned = k_cache.is_cuda and not incremental and not launch
     if tuned and onesided:
-        tuned, launch = False, ONESIDED_LAUNCH if d <= ONESIDED_MAX_AUTO_D else ONESIDED_LAUNCH_256
+        tuned, launch = False, ONESIDED_LAUNCH
     kernel = _build_tuned if tuned else _build_kernel
     launch = {} if tuned else dict(launch or incremental_launch(d, k_cache.is_cuda))
     kernel[lambda meta: (triton.cdiv(max(n_items, 1), meta["BP"]),)](
