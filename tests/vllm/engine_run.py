@@ -1,7 +1,8 @@
 """Run one vLLM engine in its own process and print its results as JSON (used by the tests).
 
 Usage: python engine_run.py SPEC.json OUT.json. SPEC: {"llm": {LLM kwargs}, "prompts": [str or
-token-id list], "max_tokens": int, "locks": LocksConfig JSON or null}. Greedy sampling. The
+token-id list], "max_tokens": int, "locks": LocksConfig JSON or null, "model": a model directory
+(default: the bundled model)}. Greedy sampling. The
 LocksConfig goes through kvlocks.integrations.vllm.enable (the Python route); environment
 variables (KVLOCKS_VLLM_TRACE, ...) are inherited from the caller.
 """
@@ -21,7 +22,7 @@ if __name__ == "__main__":
     if spec.get("locks"):
         enable(LocksConfig.from_json(spec["locks"]))
     t0 = time.time()
-    llm = LLM(model=str(resolve("smollm2-135m")), enforce_eager=True, seed=0, **spec["llm"])
+    llm = LLM(model=spec.get("model") or str(resolve("smollm2-135m")), enforce_eager=True, seed=0, **spec["llm"])
     t1 = time.time()
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in spec["prompts"]]
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
