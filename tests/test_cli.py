@@ -241,14 +241,19 @@ def test_original_prefix_fractions_of_a_hybrid_model_grow_only_the_global_layers
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("method", ["locks", "loki", "locks_rerank"])
-def test_generate_json(method, capsys):
+@pytest.mark.parametrize("method,flags,rerank", [
+    ("locks", [], 0), ("loki", [], 0), ("locks_rerank", [], 4),
+    ("locks", ["--rerank", "2", "--rerank-scores", "centroid"], 2),  # the Hugging Face path's decode plan
+    ("locks_centroid", ["--rerank", "3"], 3),  # the mode's other fields; the flag given wins
+])
+def test_generate_json(method, flags, rerank, capsys):
     rc = main(["generate", "--method", method, "--budget", "32", "--max-new-tokens", "3",
-               "--prompt", "Name a colour.", "--json"])
+               "--prompt", "Name a colour.", "--json", *flags])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["method"] == method and out["config"]["budget"] == 32
-    assert out["config"]["rerank"] == (4 if method == "locks_rerank" else 0)  # the configuration the method ran
+    assert out["config"]["rerank"] == rerank  # the configuration the method ran
+    assert out["config"]["rerank_scores"] == ("centroid" if "centroid" in method + " ".join(flags) else "summary")
     assert out["stats"]["decode_steps"] >= 1 and out["stats"]["pages_selected"] <= 2
 
 

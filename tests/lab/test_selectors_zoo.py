@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvlocks import LocksConfig, build_summaries, dense_decode
+from kvlocks.config import method_config
 from kvlocks.scoring import exact_page_lse
 from kvlocks.attention.per_head import sparse_decode_per_head
 from kvlocks.selection import LayerView, choose_pages, get_selector, selector_names
@@ -251,7 +252,9 @@ def hf():
         return tok(chat, return_tensors="pt", add_special_tokens=False).input_ids
 
     def generate(method, budget, new=16, prompt=PROMPT):
-        cache = LocksCache(model.config, method=method, config=LocksConfig(budget=budget))
+        config = LocksConfig(budget=budget)  # a method name of a LOCKS mode (locks_centroid) builds its config
+        cache = LocksCache(model.config, method=method,
+                           config=method_config(method, config) if isinstance(method, str) else config)
         out = model.generate(input_ids=ids(prompt), max_new_tokens=new, do_sample=False, **cache_kwargs(model, cache))
         return out, cache
 
@@ -283,6 +286,8 @@ def test_every_selector_runs_at_a_small_budget_with_its_bytes(hf, name):
     assert cache.stats.steps == 1 and out.shape[1] == n + 1
     if name == "locks":
         expect = hkv * (n // 16) * sum(cache.layers[0].store.summaries.bytes_per_page())
+    elif cache.config.rerank_scores == "centroid":  # locks_centroid: int8 centroids and a float16 scale
+        expect = hkv * (n // 16) * (d + 2)
     elif sel.reads_all_keys:
         expect = hkv * n * d * 4
     else:
