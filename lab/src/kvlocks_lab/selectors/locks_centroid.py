@@ -22,13 +22,14 @@ from kvlocks.selection.selectors import LocksSelector
 
 
 class LocksCentroidSelector(LocksSelector):
-    """LOCKS with ``rerank_scores="centroid"``: the summaries' centroids choose the candidates
-    (:func:`kvlocks.scoring.reference.score_pages_from_centroids`), the cache's re-rank decides
-    (``config_defaults``). The product's decode plan runs the same configuration on the paged
-    layout (:class:`kvlocks.plan.DecodePlan`)."""
+    """LOCKS with ``rerank_scores="centroid"``, token-major: the summaries' centroids choose the
+    candidates (:func:`kvlocks.scoring.reference.score_pages_from_centroids`) whatever the config's
+    ``rerank_scores``, the re-rank of the config decides. The method name ``locks_centroid`` is the
+    product's mode of ``locks`` (:data:`kvlocks.config.METHOD_MODES`, its settings by
+    :func:`kvlocks.config.method_config`), which the decode plan runs on every path; an instance of
+    this class runs its own scores through the plan's select -> attend."""
 
     name = "locks_centroid"
-    config_defaults = {"rerank": 16, "rerank_min": 256, "rerank_scores": "centroid"}
 
     def page_scores(self, queries, view, config: LocksConfig):
         """Centroid scores whatever ``config.rerank_scores`` says (this selector's own scores)."""
