@@ -235,18 +235,16 @@ def layer_number(name: str) -> int | None:
 
 
 def current_vllm_config():
-    """The ``VllmConfig`` vLLM set for the model being built (None outside vLLM's context)."""
+    """The ``VllmConfig`` of the model being built (None outside vLLM's context, where 0.32 raises)."""
+    from vllm.config import get_current_vllm_config
     try:
-        from vllm.config import get_current_vllm_config
-
         return get_current_vllm_config()
-    except Exception:  # noqa: BLE001 - no config context: the caller reports nothing
+    except AssertionError:
         return None
 
 
 def model_attention_layers(vllm_config) -> dict:
-    """``{name: attention layer}`` of every attention layer of the model (vLLM's static forward
-    context: the layers register there when they are built)."""
+    """``{name: layer}`` of the model's attention layers (vLLM's static forward context)."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
     if not isinstance(ctx, dict):
         raise VllmCompatError(f"VllmConfig has no compilation_config.static_forward_context (vLLM {vllm_version()})")
