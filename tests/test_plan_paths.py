@@ -146,7 +146,7 @@ def test_triton_backend_selects_the_torch_backend_pages(mode):
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
 
 
-def _hf_layer(method, cfg, backend, *, b=2, hkv=2, g=2, n=300, d=64, seed=0):
+def _hf_layer(method, cfg, backend, *, b=2, hkv=2, g=2, n=300, d=64, seed=0, kernel_options=None):
     """A one-layer LocksCache holding ``n`` random tokens, and a decode query ``[B, Hq, 1, D]``."""
     from transformers import LlamaConfig
 
@@ -154,7 +154,7 @@ def _hf_layer(method, cfg, backend, *, b=2, hkv=2, g=2, n=300, d=64, seed=0):
 
     mc = LlamaConfig(vocab_size=64, hidden_size=hkv * g * d, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=hkv * g, num_key_value_heads=hkv, head_dim=d, max_position_embeddings=4096)
-    cache = LocksCache(mc, method=method, config=cfg, backend=backend)
+    cache = LocksCache(mc, method=method, config=cfg, backend=backend, kernel_options=kernel_options)
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(b, hkv, n, d, generator=gen) + torch.randn(b, hkv, 1, d, generator=gen)
     layer = cache.layers[0]
@@ -212,3 +212,21 @@ def test_engine_decodes_the_tokens_of_the_hf_cache_in_every_mode(mode):
     assert eng.backend == "torch"
     assert torch.equal(eng.generate(ids, max_new_tokens=12), hf)
     assert cache.stats.summary()["pages_selected"] == cfg.pages_per_step
+
+
+def test_hf_cache_kernel_options_reach_its_plans_and_builds(monkeypatch):
+    """``LocksCache(kernel_options=...)``: the plans of its decode steps launch with them, and its
+    Triton summary builds use their solver."""
+    import kvlocks.summary.triton as build_tri
+    from kvlocks.config import KernelOptions
+
+    solvers = []
+    build = build_tri.build_summaries
+    monkeypatch.setattr(build_tri, "build_summaries", lambda *a, **kw: solvers.append(kw.get("solver")) or build(*a, **kw))
+    opts = KernelOptions(build_solver="lean", pdl=False)
+    cache, layer, query = _hf_layer("locks", LocksConfig(budget=64), "triton", b=1, n=80, kernel_options=opts)
+    layer.decode(query, layer.keys, layer.values, None, 0.125)
+    (plan,) = cache.plans.plans.values()
+    assert plan.options is opts and solvers == ["lean"]
+    with pytest.raises(ValueError, match="kernel_options"):
+        _hf_layer("locks", LocksConfig(), None, kernel_options={"pdl": False})

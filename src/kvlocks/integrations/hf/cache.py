@@ -69,7 +69,8 @@ class _LayerStore(PagedLayerStore):
             return super()._summarize(pages)
         from kvlocks.summary.triton import build_summaries as tri_build
 
-        return tri_build(pages, self.config)
+        options = self.owner.kernel_options
+        return tri_build(pages, self.config, solver=options.build_solver if options is not None else "auto")
 
     def _empty(self, config: LocksConfig, build: bool, owner: "LocksCache | None" = None) -> "_LayerStore":
         return _LayerStore(config, build=build, owner=owner or self.owner)
