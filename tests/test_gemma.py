@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvlocks import LocksConfig, build_summaries, dense_decode, score_pages, sparse_decode
+from kvlocks.config import method_config
 from kvlocks.integrations.hf import LocksCache, enable, method_names
 from kvlocks.integrations.hf.decode import prefill, step
 from kvlocks.hybrid import layer_windows
@@ -261,10 +262,11 @@ def test_every_selector_runs_on_the_hybrid_model(name):
     enable(model)
     ids, feed = ids_of(80, seed=10), ids_of(6, seed=12)[0]
     full = run(model, LocksCache(model.config, method="full"), ids, feed)
-    big = run(model, LocksCache(model.config, method=_selector(name, model), config=LocksConfig(budget=1024)),
-              ids, feed)
+    big = run(model, LocksCache(model.config, method=_selector(name, model),
+                                config=method_config(name, LocksConfig(budget=1024))), ids, feed)
     assert close(full, big), name
-    cache = LocksCache(model.config, method=_selector(name, model), config=LocksConfig(budget=32, rank=4))
+    cache = LocksCache(model.config, method=_selector(name, model),
+                       config=method_config(name, LocksConfig(budget=32, rank=4)))
     small = run(model, cache, ids, feed)
     assert torch.isfinite(small).all()
     s = cache.stats.summary()
