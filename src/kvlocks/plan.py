@@ -1,7 +1,7 @@
 """The paged decode path: one function per step over a page-table layout, and the plan/run object.
 
 Layout (``docs/paged-layout.md``): K/V in a paged cache ``[num_pages, S, Hkv, D]``, each sequence's pages
-in a block table ``[B, max_pages]``, summaries in a :class:`~kvlocks.cache.layout.SummaryStore`
+in a block table ``[B, max_pages]``, summaries in a :class:`~kvlocks.summary.store.SummaryStore`
 per physical page. (The per-sequence reference functions with the same steps are
 :func:`kvlocks.score_pages` and :func:`kvlocks.select_pages`.)
 
@@ -26,12 +26,13 @@ import torch
 
 from kvlocks._checks import check_out
 from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
-from kvlocks.cache.layout import SummaryStore, paged_to_token_major
+from kvlocks.cache.layout import paged_to_token_major
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.kernels_support import check_config, check_plan
 from kvlocks.pages import full_pages, num_pages
 from kvlocks.scoring.reference import combine_group, score_pages_from_centroids, score_pages_from_summaries
 from kvlocks.selection.topk import select_top_pages
+from kvlocks.summary.store import SummaryStore
 from kvlocks.summary.build import build_summaries
 
 
@@ -64,7 +65,7 @@ def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scal
     from the centroids alone with ``centroid`` (Eq. 4 at rank 0). ``workspace``: a
     :class:`~kvlocks.scoring.triton_combine.ScoreWorkspace` (Triton; for ``centroid`` one sized by
     :func:`kvlocks.scoring.triton_centroid.centroid_workspace`). ``summaries``: a
-    :class:`~kvlocks.cache.layout.SummaryStore` read through ``block_table``; for the ``cpu``
+    :class:`~kvlocks.summary.store.SummaryStore` read through ``block_table``; for the ``cpu``
     backend also a :class:`~kvlocks.scoring.cpu.ScoringBuffers` (row ``b * Hkv + h`` holds the pages
     of sequence b, head h in logical order; ``block_table`` is not read for it)."""
     backend = resolve_backend(backend, queries.device)

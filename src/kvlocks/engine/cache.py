@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.cache.layout import SummaryStore
+from kvlocks.summary.store import SummaryStore
 from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.kernels_support import check_config
 from kvlocks.pages import full_pages, num_pages

@@ -5,7 +5,7 @@ A layer store keeps K/V in page-aligned buffers ``[B, Hkv, cap, D]``; viewed as 
 is one sequence with one KV head) the plan runs on it unchanged, without a copy. The summaries:
 the ``cpu`` backend reads the layer's dequantized :class:`~kvlocks.scoring.cpu.ScoringBuffers`;
 the ``triton`` backend reads the summaries ``[B, Hkv, P]`` viewed as a
-:class:`~kvlocks.cache.layout.SummaryStore` of ``B * Hkv * P`` one-head pages, numbered apart
+:class:`~kvlocks.summary.store.SummaryStore` of ``B * Hkv * P`` one-head pages, numbered apart
 from the K/V pages (``summary_table``). The ``locks`` selector runs the whole plan (every mode:
 flat, ``config.rerank``, ``rerank_scores="centroid"``); other selectors score the pages their own
 way (:func:`~kvlocks.selection.selectors.rank_pages`) and the plan selects and attends
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import LocksConfig
 from kvlocks.kernels_support import kernel_support
 from kvlocks.pages import full_pages, num_pages
 from kvlocks.plan import DecodePlan
 from kvlocks.selection.selectors import LayerView, LocksSelector, rank_pages
+from kvlocks.summary.store import SummaryStore
 from kvlocks.summary.types import PageSummaries
 
 NEG_INF = float("-inf")

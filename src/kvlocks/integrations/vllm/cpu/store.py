@@ -21,7 +21,7 @@ A block shared through prefix caching is not rewritten and sits at the same logi
 its summary stays valid for every sharer (same keys, same summary). Anything else is rebuilt from
 the keys in the paged cache before it is scored.
 
-Memory, per layer: one :class:`~kvlocks.cache.layout.SummaryStore` over all
+Memory, per layer: one :class:`~kvlocks.summary.store.SummaryStore` over all
 ``num_blocks * BS / S`` physical pages (``Hkv * bytes_per_page_head``; 498 bytes per (page, KV head)
 at S=16, R=8, D=64; 818 at D=128) plus 20 bytes of tags per physical page. See
 :func:`summary_bytes_per_token`.
@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from kvlocks.cache.layout import SummaryStore
+from kvlocks.summary.store import SummaryStore
 from kvlocks.config import LocksConfig
 from kvlocks.kernels_support import check_config
 from kvlocks.summary.build import build_summaries

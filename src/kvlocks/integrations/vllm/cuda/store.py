@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlocks.cache.layout import SummaryStore
+from kvlocks.summary.store import SummaryStore
 from kvlocks.config import LocksConfig
 from kvlocks.pages import full_pages
 from kvlocks.plan import paged_build, paged_build_new, resolve_backend
