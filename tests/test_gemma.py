@@ -206,14 +206,15 @@ def test_shape_generic_references_at_head_dim_256():
             assert torch.allclose(part[h : h + 1], ref, atol=1e-5)
 
 
-def test_kernels_refuse_head_dim_256_and_the_engine_refuses_hybrid_models():
+def test_kernels_take_head_dim_256_and_the_engine_refuses_hybrid_models():
     from kvlocks.engine.parts import model_parts
     from kvlocks.integrations.hf import kernel_path
     from kvlocks.kernels_support import kernel_support
     from kvlocks.selection.selectors import get_selector
 
-    assert not kernel_path(get_selector("locks"), LocksConfig(), 256)  # the HF cache runs the CPU path / references
-    assert "head_dim=256" in kernel_support(page_size=16, rank=8, head_dim=256)
+    assert kernel_path(get_selector("locks"), LocksConfig(), 256)  # Gemma 3's global layers run the kernels on CUDA
+    assert kernel_support(page_size=16, rank=8, head_dim=256) is None
+    assert "head_dim=96" in kernel_support(page_size=16, rank=8, head_dim=96)  # other sizes: refused, named
     with pytest.raises(ValueError, match="sliding_attention.*Hugging Face path"):
         model_parts(tiny_gemma())
 

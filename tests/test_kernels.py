@@ -72,7 +72,7 @@ def make_paged(lens, hkv, g, d, dtype, *, extra=3, seed=0):
 
 def built_store(k, table, seq, cfg):
     """Summaries of every full page, by the reference build (float64 eigh; on a GPU it runs there:
-    the 262,144-token cases took most of a device call's time limit on the CPU)."""
+    the 262,144-token cases took most of a GPU run's time limit on the CPU)."""
     store = SummaryStore.empty(k.shape[0], k.shape[2], k.shape[3], cfg, device=k.device)
     full = torch.cat([table[b, : int(seq[b]) // S] for b in range(len(seq))])
     paged_build(k, store, full, cfg, backend="torch")

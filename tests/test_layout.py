@@ -161,10 +161,9 @@ def _mutual(folders: dict[str, dict[str, list[str]]]) -> set[tuple[str, str]]:
 
 
 FOLDERS = _folder_graph(GRAPH)
-# The pairs still importing each other while the one summary store keyed by physical page is being
-# built (cache/ imports summary/, whose kernels read cache/'s layout). They are being
-# removed: test_every_allowed_pair_still_exists fails once one is gone, so the allowance goes with it.
-ALLOWED_PAIRS = {("kvlocks.cache", "kvlocks.summary")}
+# Pairs of folders allowed to import each other: none. Kept as a set so that a temporary allowance
+# can be stated here; test_every_allowed_pair_still_exists fails once an allowed pair is gone.
+ALLOWED_PAIRS: set[tuple[str, str]] = set()
 
 
 def test_folder_pair_finder_finds_a_planted_pair():
@@ -240,7 +239,8 @@ def test_no_file_over_400_lines(part):
     assert long == {}
 
 
-PRODUCT_LINES = 15_500  # the product stays small: research code belongs in kvlocks_lab
+PRODUCT_LINES = 17_000  # the product stays small: research code belongs in kvlocks_lab (16.6K with the vLLM
+# start-up checks, layer table, sinks and memory reserve, the plan's CPU backend and head_dim 256)
 
 
 def test_product_stays_under_its_line_cap():

@@ -47,7 +47,9 @@ std = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdli
 print("/tmp/site")
 for p in sys.path[1:]:
     r = os.path.realpath(p)
-    if os.path.isdir(r) and r not in std and not r.startswith(repo) and not any(r.startswith(s + os.sep) for s in std):
+    # the image's python3 may itself be a venv whose site-packages lies under its platstdlib: only the
+    # standard library's own folders are left out, not what lies below them
+    if os.path.isdir(r) and r not in std and not r.startswith(repo) and not r.endswith("lib-dynload"):
         print(r)
 EOF
 versions="from importlib.metadata import version as v; print(' '.join(f'{n}=={v(n)}' for n in ('torch', 'transformers', 'triton', 'vllm')))"

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlocks.cache.layout import SummaryStore
+from kvlocks.summary.store import SummaryStore
 from kvlocks.config import BUILD_SOLVERS, LocksConfig
 from kvlocks.kernels_support import check_config
 from kvlocks.summary.triton_onesided import _build_onesided
