@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,8 @@ from kvlocks.selection.rerank_paged import paged_rerank  # noqa: E402
 from kvlocks.selection.triton_rerank import rerank_pages  # noqa: E402
 from kvlocks.summary import triton as build_tri  # noqa: E402
 
+import common  # noqa: E402  (scripts/gpu/probes/common.py: CUDA-graph timing)
+
 SHAPES = {"gemma3-12b": (8, 2), "gemma3-270m": (1, 4)}
 S = 16
 PACKED = KernelOptions(score_kernel="packed")
@@ -56,25 +57,12 @@ PACKED = KernelOptions(score_kernel="packed")
 
 def graph_time(fn, n_graph=10, replays=5) -> float:
     """Microseconds per call: ``n_graph`` calls in one CUDA graph, median of ``replays`` replays
-    (on the CPU: one call's wall clock)."""
-    t = time.perf_counter()
-    fn()
+    (:func:`common.graph_time`); on the CPU, one call's wall clock."""
     if DEV == "cpu":
+        t = time.perf_counter()
+        fn()
         return round((time.perf_counter() - t) * 1e6, 1)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n_graph):
-            fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(replays):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n_graph)
-    return round(statistics.median(ts), 2)
+    return round(common.graph_time(fn, n_graph=n_graph, replays=replays), 2)
 
 
 def case(hkv, g, d, n, seed=0):
