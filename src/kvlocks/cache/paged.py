@@ -49,6 +49,15 @@ class PagedLayerStore:
     def values(self) -> torch.Tensor:
         return self._v[:, :, : self.length]
 
+    def paged_view(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The whole K/V buffers as a paged cache with one (sequence, KV head) per row: ``k_cache,
+        v_cache [B * Hkv * width, S, 1, D]`` (views: the buffers are contiguous) and ``width``, the
+        page slots per row (row ``r`` owns pages ``r * width .. r * width + width - 1``)."""
+        b, hkv, cap, d = self._k.shape
+        s = self.config.page_size
+        width = cap // s
+        return self._k.view(b * hkv * width, s, 1, d), self._v.view(b * hkv * width, s, 1, d), width
+
     def _ensure_capacity(self, k_new: torch.Tensor, v_new: torch.Tensor, need: int) -> None:
         s = self.config.page_size
         if self._k is None:

@@ -91,8 +91,7 @@ def layer_parts(model, cache, method: str) -> dict:
                                   recent_pages=config.recent_pages)
         parts["select"] = _ms(sel)
         pages = sel().view(b * hkv, 1, -1)
-        width = store._k.shape[2] // s  # the store's paged view: one KV head per row
-        kc, vc = store._k.view(-1, s, 1, d), store._v.view(-1, s, 1, d)
+        kc, vc, width = store.paged_view()  # one (sequence, KV head) per row
         table = torch.arange(b * hkv * width, dtype=torch.int32).view(b * hkv, width)
         qr = q.reshape(b * hkv, g, d)
         parts["attend"] = _ms(lambda: paged_decode(qr, kc, vc, table, rows, pages, scale=scale))

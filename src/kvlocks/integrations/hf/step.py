@@ -93,9 +93,7 @@ def plan_decode(layer, q: torch.Tensor, key: torch.Tensor, scale: float, backend
     owner, store, cfg = layer.owner, layer.store, layer.owner.config
     b, hkv, g, d = q.shape
     s, n, rows = cfg.page_size, key.shape[2], b * hkv
-    width = store._k.shape[2] // s  # page slots per row
-    kc = store._k.view(rows * width, s, 1, d)  # [B*Hkv*cap/S, S, 1, D]: the buffers are contiguous
-    vc = store._v.view(rows * width, s, 1, d)
+    kc, vc, width = store.paged_view()  # [B*Hkv*width, S, 1, D], width page slots per row
     table = owner.plans.table(rows, width, q.device)
     seq = torch.full((rows,), n, dtype=torch.int32, device=q.device)
     plan = owner.plans.get(backend, rows, g, d, width, q.dtype, q.device, scale)
