@@ -452,18 +452,23 @@ def _recon(s):
     return s.centroid_float()[..., None, :] + s.coef_float() @ s.basis_float()
 
 
+def page_keys(d: int, rank: int, pages: int) -> torch.Tensor:
+    """float32 keys ``[2, pages, S, d]`` (seeded by d + rank): of full rank when ``rank`` is 0, else a
+    per-page centroid plus a rank-``rank`` part, whose subspace is exact and unique."""
+    gen = torch.Generator().manual_seed(d + rank)
+    lead, p = (2,), pages
+    if not rank:
+        return torch.randn(*lead, p, S, d, generator=gen)
+    return torch.randn(*lead, p, 1, d, generator=gen) + torch.randn(*lead, p, S, rank, generator=gen) @ \
+        torch.randn(*lead, p, rank, d, generator=gen)
+
+
 @pytest.mark.parametrize("solver", ["lean", _heavy(110, "onesided")])
 @pytest.mark.parametrize("d,dtype,rank", [(64, F32, 0), (128, BF16, 0), (128, F32, 5), (64, F16, 12)])
 def test_build_matches_reference(d, dtype, rank, solver):
     """Both build solvers against the float64 reference (keys of full rank, or of rank 5 and 12
     plus a centroid, whose subspace is exact and unique)."""
-    gen = torch.Generator().manual_seed(d + rank)
-    lead, p = (2,), (3 if not CUDA else 500)
-    if rank:  # low-rank pages: the subspace is exact and unique
-        keys = torch.randn(*lead, p, 1, d, generator=gen) + torch.randn(*lead, p, S, rank, generator=gen) @ \
-            torch.randn(*lead, p, rank, d, generator=gen)
-    else:
-        keys = torch.randn(*lead, p, S, d, generator=gen)
+    keys = page_keys(d, rank, 3 if not CUDA else 500)
     keys = keys.to(dtype).to(DEV)
     cfg = LocksConfig()
     got = _cpu(build_tri.build_summaries(keys, cfg, solver=solver))

@@ -103,14 +103,7 @@ def test_lean_build_at_256(dtype, rank):
     from kvlocks.summary.build import build_summaries, spectral_basis
     from kvlocks.summary.triton import build_summaries as build_kernel
 
-    gen = torch.Generator().manual_seed(D + rank)
-    lead, p = (2,), (16 if not CUDA else 500)
-    if rank:  # low-rank pages: the subspace is exact and unique
-        keys = torch.randn(*lead, p, 1, D, generator=gen) + torch.randn(*lead, p, S, rank, generator=gen) @ \
-            torch.randn(*lead, p, rank, D, generator=gen)
-    else:
-        keys = torch.randn(*lead, p, S, D, generator=gen)
-    keys = keys.to(dtype)
+    keys = tk.page_keys(D, rank, 16 if not CUDA else 500).to(dtype)
     cfg = LocksConfig()
     got = tk._cpu(build_kernel(keys.to(DEV), cfg, solver="lean"))
     ref = build_summaries(keys, cfg)
