@@ -50,10 +50,7 @@ def register() -> None:
 
     check_config(config, None, backend="torch", owner=ENV_VAR)  # the summary store's format, naming the fields
     if compat.is_cpu_platform():
-        if config.rerank or config.group_pages:  # its per-request references score summaries only
-            raise ValueError(f"{ENV_VAR}: rerank={config.rerank}, group_pages={config.group_pages}: vLLM's CPU "
-                             "backend runs flat LOCKS selection only (rerank=0, group_pages=0); the CUDA backend "
-                             "runs the re-rank and the centroid mode")
+        check_plan(config, owner=ENV_VAR)  # the CPU backend runs the decode plan too
         compat.register_cpu_backend()
         entry = "CPU_ATTN"
     elif cuda_compat.is_cuda_platform():

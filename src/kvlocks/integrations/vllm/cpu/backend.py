@@ -7,11 +7,9 @@ token (a decode step), the LOCKS path:
 1. makes sure every full 16-token page of the sequence has a valid summary in the layer's
    :class:`~kvlocks.integrations.vllm.cpu.store.BlockSummaryStore` (building, from the paged cache,
    the pages that filled since the last step, at the end of prefill, or whose block was reused);
-2. scores the pages from their summaries and selects sink + recent + top pages with kvlocks'
-   reference functions (:func:`~kvlocks.selection.choose_pages`, the ``locks`` selector), exactly
-   as the Hugging Face path does;
-3. attends over the full K/V of the selected pages only
-   (:func:`~kvlocks.attention.reference.sparse_decode`).
+2. runs :class:`~kvlocks.plan.DecodePlan` for the batch's decode rows over the paged cache
+   (:func:`~kvlocks.integrations.vllm.cpu.store.decode_rows`; flat, ``rerank``, centroid scores):
+   scores, selects sink + recent + top pages, and attends their full K/V only.
 
 A request whose pages all fit in the budget gets dense attention, which is what LOCKS selects
 then; it is left to the stock kernel. In a mixed batch (some requests prefilling), the stock
@@ -33,20 +31,15 @@ import os
 import torch
 
 from kvlocks import env
-from kvlocks.attention.reference import sparse_decode
 from kvlocks.integrations.vllm import compat, startup
 from kvlocks.integrations.vllm import layers as layer_table
 from kvlocks.integrations.vllm.plugin import current_config, current_settings
-from kvlocks.integrations.vllm.sinks import apply_sinks
-from kvlocks.integrations.vllm.cpu.store import BlockSummaryStore
-from kvlocks.pages import num_pages
+from kvlocks.integrations.vllm.cpu.store import BlockSummaryStore, PagedBlocks, decode_rows
 from kvlocks.plan import sparse_rows
-from kvlocks.selection.selectors import LayerView, choose_pages, get_selector
 
 log = logging.getLogger(__name__)
 
 _StockBackend, _StockImpl = compat.stock_cpu_classes()
-_SELECTOR = get_selector("locks")
 
 
 class LocksCPUAttentionImpl(_StockImpl):
@@ -142,29 +135,14 @@ class LocksCPUAttentionImpl(_StockImpl):
         key_cache, value_cache = compat.split_kv_cache(kv_cache, self.num_kv_heads, self.head_size, self.layout)
         if not self._seen_real_write and key is not None:
             self._check_real_write(key, key_cache, step, rows[0])
-        cfg, s = self.locks, self.locks.page_size
-        hkv, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
-        lidx = compat.layer_index(layer)
-        for r in rows:
-            n = int(step.seq_lens[r])
-            t = int(step.query_start_loc[r])
-            total = num_pages(n, s)
-            pids = store.page_ids(step.block_table[r], total)  # physical page of each logical page
-            built = store.ensure(pids[: n // s], key_cache)
-            stale = store.check_fresh(pids[: n // s], key_cache) if self.verify else None
-            q = query[t].view(hkv, g, d)  # [Hkv, G, D]
-            view = LayerView(keys=query.new_zeros(()).expand(hkv, n, d),  # selection reads only N
-                             summaries=store.summaries.gather(pids[: n // s]), token_mask=None,
-                             scale=self.scale, layer=lidx)
-            pages = choose_pages(q, view, cfg, _SELECTOR)  # [Hkv, K] ascending logical pages
-            k_sel, v_sel, valid = _gather_pages(key_cache, value_cache, pids, pages, n, s)  # [Hkv, K*S, D]
-            local = torch.arange(pages.shape[-1]).expand_as(pages)  # selected pages, renumbered
-            out, lse = sparse_decode(q, k_sel, v_sel, local, s, scale=self.scale, token_mask=valid)
-            if self.sinks is not None:  # learned sink logits [Hq] -> [Hkv, G]
-                out = apply_sinks(out.float(), lse, self.sinks.view(hkv, g))
-            output[t] = out.reshape(hkv * g, d).to(output.dtype)  # [Hq, D]
-            if self.trace_path:
-                self._trace(lidx, n, step.block_table[r, 0], pages, built, stale)
+        tok, s = step.query_start_loc[rows], self.locks.page_size  # [R'] each row's query token
+        q = query[tok].view(len(rows), self.num_heads, self.head_size)  # [R', Hq, D]
+        out, pages, built, stale = decode_rows(store, PagedBlocks(key_cache, s), PagedBlocks(value_cache, s), q,
+            step.block_table[rows], step.seq_lens[rows], scale=self.scale, sinks=self.sinks, verify=self.verify)
+        output[tok] = out.view(output[tok].shape).to(output.dtype)
+        for i, r in enumerate(rows if self.trace_path else ()):
+            self._trace(compat.layer_index(layer), int(step.seq_lens[r]), step.block_table[r, 0], pages[i], built[i],
+                        None if stale is None else stale[i])
 
     def _check_real_write(self, key, key_cache, step, r) -> None:
         """Once per layer: this step's key of request ``r`` must read back from the real cache."""
@@ -182,24 +160,6 @@ class LocksCPUAttentionImpl(_StockImpl):
                "pages": pages.tolist(), "built": built, "stale": stale}
         with open(self.trace_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-
-
-def _gather_pages(key_cache, value_cache, pids, pages, n, s):
-    """K/V of the selected logical ``pages [Hkv, K]`` of one sequence (physical ids ``pids``).
-
-    Returns ``k_sel, v_sel [Hkv, K * S, D]`` and ``valid`` bool ``[Hkv, K * S]`` (tokens < n).
-    """
-    bs = key_cache.shape[2]
-    ppb = bs // s
-    hkv, k = pages.shape
-    phys = pids[pages]  # [Hkv, K]
-    rows = ((phys % ppb) * s).unsqueeze(-1) + torch.arange(s)  # [Hkv, K, S] row within the block
-    block = (phys // ppb).unsqueeze(-1).expand_as(rows)
-    head = torch.arange(hkv).view(hkv, 1, 1).expand_as(rows)
-    k_sel = key_cache[block, head, rows].flatten(1, 2)  # [Hkv, K*S, D]
-    v_sel = value_cache[block, head, rows].flatten(1, 2)
-    valid = ((pages * s).unsqueeze(-1) + torch.arange(s) < n).flatten(1)  # [Hkv, K*S]
-    return k_sel, v_sel, valid
 
 
 class LocksCPUMetadataBuilder(_StockBackend.get_builder_cls()):
