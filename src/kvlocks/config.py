@@ -18,6 +18,28 @@ BASIS_BITS = (2, 4, 8, 16)
 COEF_BITS = (8, 16)
 RERANK_SCORES = ("summary", "centroid")
 
+# The default selection (``LocksConfig.rerank="auto"``): the exact re-rank of 4 (k - 2) summary
+# candidates where a step keeps fewer than 30 free pages (k - sink - recent; a budget below 512
+# tokens at 16-token pages), flat Eq. 4 scoring from 30 on. Measured on the task suite (paired
+# bootstrap, docs/evaluation.md#the-default-selection): at 6 free pages flat LOCKS trails the exact
+# oracle by 7.5 points on Gemma 3 at 8K-32K and 5.6 on SmolLM2 at 4K-8K, and the re-rank of 4 (k - 2)
+# candidates is 0.8 behind on Gemma; at 30 free pages flat LOCKS is 0.4 and 1.2 behind, so there
+# the re-rank's reads buy nothing measurable. Below 30 the re-rank adds 4 (k - 2) < 120 pages' keys
+# per step: little against the summaries it reads anyway.
+RERANK_AUTO = "auto"
+AUTO_RERANK_MULTIPLE = 4
+AUTO_RERANK_BELOW_FREE_PAGES = 30
+
+
+def auto_rerank(pages_per_step: int, sink_pages: int, recent_pages: int, group_pages: int = 0) -> int:
+    """The candidate multiple ``LocksConfig.rerank="auto"`` resolves to: :data:`AUTO_RERANK_MULTIPLE`
+    below :data:`AUTO_RERANK_BELOW_FREE_PAGES` free pages per step, else 0 (flat scoring); 0 with
+    page groups (their own mode)."""
+    free = pages_per_step - sink_pages - recent_pages
+    if group_pages or free >= AUTO_RERANK_BELOW_FREE_PAGES:
+        return 0
+    return AUTO_RERANK_MULTIPLE
+
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     check_int("LocksConfig", name, value, low, high)
@@ -47,11 +69,15 @@ class LocksConfig(ConfigIO):
     combine : str
         GQA group rule: ``"mean_share"`` (Eq. 5, average of per-head page shares),
         ``"max_share"`` (largest per-head share) or ``"sum_mass"`` (sum of unnormalised masses).
-    rerank : int
-        Two-stage selection: 0 (off, the default) or a candidate multiple ``c`` in 2..64. The
-        summaries rank the pages, the top ``c * (k - sink_pages - recent_pages)`` are candidates,
-        their exact per-page log-sum-exp is computed from their keys (no values), and the top
-        pages by those exact masses are selected (:mod:`kvlocks.selection.rerank`).
+    rerank : int or "auto"
+        Two-stage selection: 0 (off: flat Eq. 4 scoring) or a candidate multiple ``c`` in 2..64.
+        The summaries rank the pages, the top ``c * (k - sink_pages - recent_pages)`` are
+        candidates, their exact per-page log-sum-exp is computed from their keys (no values), and
+        the top pages by those exact masses are selected (:mod:`kvlocks.selection.rerank`).
+        ``"auto"`` (the default) resolves, at construction, to the measured rule
+        :func:`auto_rerank`: ``c = 4`` while fewer than 30 pages are free per step (budgets below
+        512 tokens at 16-token pages), else 0. ``rerank_auto`` tells whether the value was chosen
+        so; an explicit value always wins.
     rerank_min : int
         With ``rerank``: at least this many candidates (pages), >= 0 (default 0).
     rerank_scores : str
@@ -79,7 +105,7 @@ class LocksConfig(ConfigIO):
     basis_bits: int = 4
     coef_bits: int = 8
     combine: str = "mean_share"
-    rerank: int = 0
+    rerank: int | str = RERANK_AUTO
     rerank_min: int = 0
     rerank_scores: str = "summary"
     group_pages: int = 0
@@ -109,9 +135,19 @@ class LocksConfig(ConfigIO):
             raise ValueError(f"LocksConfig.coef_bits={self.coef_bits!r}: allowed {COEF_BITS}")
         if self.combine not in COMBINE_RULES:
             raise ValueError(f"LocksConfig.combine={self.combine!r}: allowed {COMBINE_RULES}")
+        auto = self.rerank == RERANK_AUTO
+        if auto:
+            if self.rerank_scores == "centroid":
+                raise ValueError("LocksConfig.rerank_scores='centroid' chooses the exact re-rank's candidates from the "
+                                 "page centroids: set rerank explicitly (an integer in 2..64; 16 in the "
+                                 "locks_centroid method)")
+            object.__setattr__(self, "rerank", auto_rerank(self.budget // self.page_size, self.sink_pages,
+                                                           self.recent_pages, self.group_pages))
+        object.__setattr__(self, "_rerank_auto", auto)  # not a field: equality and JSON see the value
         if isinstance(self.rerank, bool) or not isinstance(self.rerank, int) or not (
                 self.rerank == 0 or 2 <= self.rerank <= 64):
-            raise ValueError(f"LocksConfig.rerank={self.rerank!r}: allowed 0 (off) or an integer in 2..64")
+            raise ValueError(f"LocksConfig.rerank={self.rerank!r}: allowed 0 (off), an integer in 2..64 or "
+                             f"{RERANK_AUTO!r} (the default rule)")
         _check_int("rerank_min", self.rerank_min, 0)
         if self.rerank_scores not in RERANK_SCORES:
             raise ValueError(f"LocksConfig.rerank_scores={self.rerank_scores!r}: allowed {RERANK_SCORES}")
@@ -126,6 +162,26 @@ class LocksConfig(ConfigIO):
                              f"{self.group_pages * self.page_size} tokens exceeds 4096")
         _check_int("group_rank", self.group_rank, 1, self.group_pages * self.page_size or None)
         _check_int("group_keep", self.group_keep, 1)
+
+    @property
+    def rerank_auto(self) -> bool:
+        """Whether ``rerank`` was chosen by the default rule (:func:`auto_rerank`), not set."""
+        return self._rerank_auto
+
+    def replace(self, **changes):
+        """A copy with some fields changed (validated again); a ``rerank`` chosen by the default
+        rule is chosen again for the new fields unless ``changes`` sets it."""
+        if self._rerank_auto and "rerank" not in changes:
+            changes["rerank"] = RERANK_AUTO
+        return super().replace(**changes)
+
+    def selection(self) -> str:
+        """The selection a step runs: ``"flat"``, ``"rerank"``, ``"centroid"`` or ``"groups"``."""
+        if self.group_pages:
+            return "groups"
+        if self.rerank:
+            return "centroid" if self.rerank_scores == "centroid" else "rerank"
+        return "flat"
 
     @property
     def pages_per_step(self) -> int:
@@ -160,6 +216,7 @@ def group_config(config: LocksConfig) -> LocksConfig:
 # Centroid candidates: at least 256 pages, 16 per free slot (docs/locks.md: with k = 8 of 500
 # pages at 8K tokens, 16 (k - 2) candidates miss needle pages the rank-8 summaries find).
 METHOD_MODES = {
+    "locks_flat": {"rerank": 0},
     "locks_rerank": {"rerank": 4},
     "locks_centroid": {"rerank": 16, "rerank_min": 256, "rerank_scores": "centroid"},
     "locks_hier": {"group_pages": 16, "group_keep": 2},
@@ -168,6 +225,8 @@ METHOD_MODES = {
 
 def in_mode(method: str, config: LocksConfig) -> bool:
     """Whether ``config`` runs the mode a :data:`METHOD_MODES` name stands for (True for other names)."""
+    if method == "locks_flat":
+        return config.rerank == 0 and not config.group_pages
     if method == "locks_rerank":
         return config.rerank > 0
     if method == "locks_centroid":
@@ -179,15 +238,25 @@ def in_mode(method: str, config: LocksConfig) -> bool:
 
 def method_config(method: str, config: LocksConfig | None = None) -> LocksConfig:
     """The configuration a method name runs: ``config`` (default ``LocksConfig()``) with the fields
-    of ``METHOD_MODES[method]`` that it leaves at their defaults set (other names: ``config`` as is).
+    of ``METHOD_MODES[method]`` that it leaves at their defaults set; ``"locks"``: ``config`` as is
+    (its ``rerank="auto"`` rule included); any other selector name (a baseline: Quest, the oracle,
+    ...): ``config`` with a re-rank that the default rule chose turned off, so a baseline runs as
+    published unless its configuration sets ``rerank``.
 
     The one place a method alias becomes configuration: callers that take a method name and
     settings (the CLI, the lab's evaluation) call it; ``LocksCache`` runs the config it is given.
     """
     config = LocksConfig() if config is None else config
-    fields = {f: v for f, v in METHOD_MODES.get(method, {}).items()
-              if getattr(config, f) == LocksConfig.__dataclass_fields__[f].default}
+    if method != "locks" and method not in METHOD_MODES:
+        return config.replace(rerank=0) if config.rerank_auto and config.rerank else config
+    fields = {f: v for f, v in METHOD_MODES.get(method, {}).items() if _at_default(config, f)}
     return config.replace(**fields) if fields else config
+
+
+def _at_default(config: LocksConfig, name: str) -> bool:
+    if name == "rerank":
+        return config.rerank_auto
+    return getattr(config, name) == LocksConfig.__dataclass_fields__[name].default
 
 
 @dataclass(frozen=True)
