@@ -14,14 +14,33 @@ every context, shortest first, and every batch size:
    so the steps timed are pure decode steps of the whole batch (full CUDA graphs); TPOT is
    ``(last_token_ts - first_token_ts) / (new_tokens - 1)`` of each request, the mean over the batch.
 
+How the prompt's prefix is made (``--prefix``, recorded in each row and in ``summary.json``):
+
+- ``prefill`` (default): the model prefills the whole prompt (a 1M-token prefill of GLM-4-9B takes
+  about 10 minutes per backend);
+- ``connector``: a benchmark-only KV connector (:mod:`kvlocks_lab.bench.random_prefix`) reports
+  each prompt's first ``context - 1`` tokens as externally computed and writes random K/V (fixed
+  seed, page-structured keys) for them into vLLM's paged cache, for every layer, through the
+  attention backend's own cache write (with LOCKS, the summaries of the written pages are built as
+  for any connector load); only the last prompt token is computed. Both backends then decode from
+  the same kind of prefix, in minutes at 512K and 1M tokens. TTFT then measures the fill plus one
+  token, not a prefill; ``prefix_loaded_tokens`` / ``prefix_fill_s`` (per pass) say what was
+  written and how long it took, ``external_prefix_cache_hits`` what the engine counted as loaded.
+
 Usage (on the GPU machine, vLLM staged)::
 
     python -m kvlocks_lab.bench.vllm_tpot --out DIR [--models llama3.1-8b glm4-9b-1m]
         [--contexts 32768 131072 262144:1 max] [--batches 1 4] [--new-tokens 64] [--budget 2048]
+        [--prefix {prefill,connector}]
+    # decode at 512K and 1M tokens of GLM-4-9B-1M without a prefill (1M needs an H200's KV pool):
+    python -m kvlocks_lab.bench.vllm_tpot --out DIR --models glm4-9b-1m --contexts 524288:1 1048576:1 \
+        --prefix connector
 
 ``max`` is the longest context whose batch fits the KV pool (rounded down to 16K) and the model's
 positions, capped by ``--max-context``; a context past the positions (Llama's 128K with the new
-tokens) is cut to fit them. Writes ``DIR/rows.jsonl`` (one record per model, backend, context, batch; appended as
+tokens; GLM's 1048576 becomes 1047552) is cut to fit them. With ``--prefix prefill`` a named
+context above ``--max-context`` is refused (its prefill would outlast a GPU command); use
+``--prefix connector`` for those. Writes ``DIR/rows.jsonl`` (one record per model, backend, context, batch; appended as
 each engine finishes) and ``DIR/summary.json`` (settings, commit, device, versions, and the LOCKS /
 FLASH_ATTN TPOT ratio per cell).
 """
@@ -39,6 +58,7 @@ from pathlib import Path
 CONFIGS = Path(__file__).parent / "configs"
 MODELS = ("llama3.1-8b", "glm4-9b-1m")
 BACKENDS = ("FLASH_ATTN", "LOCKS")
+PREFIXES = ("prefill", "connector")
 GPU_UTIL = 0.85  # leaves room for the LOCKS summaries (10% of the KV pool at D = 128) and plans
 ROUND = 16384
 
@@ -114,12 +134,18 @@ def _worker(spec: dict) -> list[dict]:
     cells, new = spec["cells"], spec["new_tokens"]  # [[context, [batch, ...]], ...]
     max_len = max(c for c, _ in cells) + new + 16
     batches_all = sorted({b for _, bs in cells for b in bs})
+    prefix = spec.get("prefix", "prefill")
+    extra = {}
+    if prefix == "connector":
+        from kvlocks_lab.bench import random_prefix
+
+        extra["kv_transfer_config"] = random_prefix.kv_transfer_config(seed=spec.get("prefix_seed", 0))
     t0 = time.time()
     llm = LLM(model=spec["model_dir"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=max_len, max_num_seqs=max(batches_all),
               gpu_memory_utilization=spec.get("gpu_memory_utilization", GPU_UTIL),
               enable_prefix_caching=True, disable_log_stats=False, max_num_batched_tokens=16384,
-              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *batches_all})})
+              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, *batches_all})}, **extra)
     init_s = time.time() - t0
     rng = random.Random(0)
     vocab = spec["vocab"]
@@ -132,12 +158,15 @@ def _worker(spec: dict) -> list[dict]:
     for ctx, batches in sorted(cells):
         for b in sorted(batches):
             prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(ctx)]} for _ in range(b)]
+            before = _prefix_counters(llm, prefix, spec["backend"])
             t1 = time.time()
             first = llm.generate(prompts, params(1), use_tqdm=False)
             ttft_wall = time.time() - t1
+            mid = _prefix_counters(llm, prefix, spec["backend"])
             t2 = time.time()
             outs = llm.generate(prompts, params(new), use_tqdm=False)
             decode_wall = time.time() - t2
+            after = _prefix_counters(llm, prefix, spec["backend"])
             tpots = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (new - 1) for o in outs if o.metrics]
             ttfts = [o.metrics.first_token_latency for o in first if o.metrics]
             rows.append({"model": spec["model"], "backend": spec["backend"], "context": ctx, "batch": b,
@@ -146,11 +175,52 @@ def _worker(spec: dict) -> list[dict]:
                          "tpot_ms_per_request": [1e3 * t for t in tpots],
                          "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall,
                          "decode_wall_s": decode_wall, "cached_tokens": [o.num_cached_tokens for o in outs],
-                         "init_s": init_s})
+                         "first_cached_tokens": [o.num_cached_tokens for o in first], "init_s": init_s,
+                         "prefix": prefix, **_prefix_deltas(before, mid, after)})
             if spec.get("profile_steps"):
                 rows[-1]["profile"] = _profile_cell(llm, prompts, params, spec["profile_steps"], spec["backend"])
             print(json.dumps({k: rows[-1][k] for k in ("context", "batch", "tpot_ms", "ttft_s")}), flush=True)
     return rows
+
+
+def _prefix_counters(llm, prefix: str, backend: str) -> dict:
+    """What made the prompts' prefixes so far: the random-prefix connector's counters (loads, tokens
+    written, seconds), the engine's ``vllm:external_prefix_cache_hits`` (None where this vLLM has no
+    such metric) and, with LOCKS on CUDA, the summary pages built eagerly (a connector's load, or
+    before a step; ``debug_counters()["eager_builds"]``)."""
+    out = {}
+    if prefix == "connector":
+        from kvlocks_lab.bench.random_prefix import STATS
+
+        out.update(STATS)
+    try:
+        hits = [m.value for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"]
+        out["external_prefix_cache_hits"] = sum(hits) if hits else None
+    except Exception:  # noqa: BLE001 - a vLLM without the metrics reader: the row says None
+        out["external_prefix_cache_hits"] = None
+    import torch
+
+    if backend == "LOCKS" and torch.cuda.is_available():
+        try:
+            from kvlocks.integrations.vllm.cuda.backend import debug_counters
+
+            out["locks_pages_built"] = debug_counters()["eager_builds"]
+        except Exception:  # noqa: BLE001 - not the LOCKS backend (or no CUDA build): no count
+            pass
+    return out
+
+
+def _prefix_deltas(before: dict, mid: dict, after: dict) -> dict:
+    """Per pass (``[ttft pass, tpot pass]``): the counters' increase."""
+    names = {"loaded_tokens": "prefix_loaded_tokens", "fill_s": "prefix_fill_s",
+             "external_prefix_cache_hits": "external_prefix_cache_hits", "locks_pages_built": "locks_pages_built"}
+    out = {}
+    for key, name in names.items():
+        if all(d.get(key) is not None for d in (before, mid, after)):
+            out[name] = [mid[key] - before[key], after[key] - mid[key]]
+        elif key in before:
+            out[name] = None
+    return out
 
 
 def _profile_cell(llm, prompts, params, steps: int, backend: str) -> dict:
@@ -203,8 +273,8 @@ def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
             rc = "timeout"
     if rc != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        return [{"model": spec["model"], "backend": spec["backend"], "cells": spec["cells"], "error": f"rc {rc}",
-                 "log_tail": tail}]
+        return [{"model": spec["model"], "backend": spec["backend"], "cells": spec["cells"],
+                 "prefix": spec.get("prefix"), "error": f"rc {rc}", "log_tail": tail}]
     return json.loads(res_path.read_text())
 
 
@@ -242,7 +312,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--max-context", type=int, default=524288,
-                    help="cap of 'max' (a 1M-token prefill of a 9B model takes longer than one GPU run's time limit)")
+                    help="cap of 'max', and with --prefix prefill of any named context (a 1M-token prefill of a "
+                         "9B model takes longer than one GPU run's time limit)")
+    ap.add_argument("--prefix", choices=PREFIXES, default="prefill",
+                    help="prefill: the model prefills each prompt; connector: a KV connector writes random K/V "
+                         "for the first context-1 tokens (kvlocks_lab.bench.random_prefix), only the last is computed")
+    ap.add_argument("--prefix-seed", type=int, default=0, help="seed of the connector's random K/V")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process (all of one model's contexts)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after each cell's TPOT, GPU time per kernel class of one decode step, from this many "
@@ -262,6 +337,11 @@ def main(argv=None) -> int:
             parse_context(c, args.batches)
         except ValueError as exc:
             ap.error(f"--contexts: {exc}")
+    too_long = [c for c in args.contexts if c.partition(":")[0].isdigit() and
+                int(c.partition(":")[0]) > args.max_context]
+    if too_long and args.prefix == "prefill":
+        ap.error(f"--contexts {too_long}: above --max-context {args.max_context}, too long to prefill in one GPU "
+                 "command; use --prefix connector (or raise --max-context)")
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory
@@ -271,10 +351,17 @@ def main(argv=None) -> int:
     for model in args.models:
         cfg = _config(model)
         cells = plan_cells(cfg, args.contexts, args.batches, total, args.new_tokens, args.max_context)
+        positions = (cfg["max_position_embeddings"] - args.new_tokens - 16) // 1024 * 1024  # as plan_cells
+        named = {min(int(c.partition(":")[0]), positions) for c in args.contexts if c.partition(":")[0].isdigit()}
+        left_out = sorted(named - set(cells))
+        if left_out:
+            print(f"{model}: contexts {left_out} left out: their batches do not fit the KV pool "
+                  f"(longest at batch 1: {longest_context(cfg, 1, total, args.new_tokens)})", flush=True)
         for backend in args.backends:
             spec = {"model": model, "model_dir": str(CONFIGS / model), "backend": backend,
                     "cells": [[ctx, sorted(b)] for ctx, b in sorted(cells.items())], "new_tokens": args.new_tokens,
-                    "budget": args.budget, "vocab": cfg["vocab_size"], "profile_steps": args.profile_steps}
+                    "budget": args.budget, "vocab": cfg["vocab_size"], "profile_steps": args.profile_steps,
+                    "prefix": args.prefix, "prefix_seed": args.prefix_seed}
             got = _run_engine(spec, args.out, args.timeout)
             with open(rows_path, "a") as f:
                 for r in got:
@@ -290,7 +377,8 @@ def main(argv=None) -> int:
             if base:
                 ratios[f"{r['model']}|{r['context']}|{r['batch']}"] = base[0]["tpot_ms"] / r["tpot_ms"]
     summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
-               "gpu_memory_utilization": GPU_UTIL, **_facts(), "speedup_tpot_flash_over_locks": ratios,
+               "gpu_memory_utilization": GPU_UTIL, "prefix": args.prefix, **_facts(),
+               "speedup_tpot_flash_over_locks": ratios,
                "rows": len(rows), "errors": sum("error" in r for r in rows)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary["speedup_tpot_flash_over_locks"], indent=1))
