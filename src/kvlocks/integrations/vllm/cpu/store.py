@@ -107,7 +107,7 @@ class BlockSummaryStore:
             return self.built_page[pids] < 0
         return (self.built_gen[pids] != self.write_gen[pids]) | (self.built_page[pids] != logical)
 
-    def ensure(self, pids: torch.Tensor, keys: "PagedBlocks") -> int:
+    def ensure(self, pids: torch.Tensor, keys: PagedBlocks) -> int:
         """Build the summaries of logical pages ``0 .. P-1`` (physical ``pids [P]``) that are not
         valid, from ``keys`` (the key half of the cache). Returns the number of pages built."""
         todo = self.stale(pids).nonzero().flatten()  # logical page numbers
@@ -125,7 +125,7 @@ class BlockSummaryStore:
         """Remember a hash of the keys each summary is built from (see :meth:`check_fresh`)."""
         self.fingerprints = torch.zeros(self.summaries.num_pages, dtype=torch.int64)
 
-    def check_fresh(self, pids: torch.Tensor, keys: "PagedBlocks") -> int:
+    def check_fresh(self, pids: torch.Tensor, keys: PagedBlocks) -> int:
         """Verification: how many of the summaries about to be used were built from other keys
         than those now in their page (a stale summary). Exact: compares a hash of the key bytes
         at build time with the keys in the cache now. Costly: tests and debugging only."""
