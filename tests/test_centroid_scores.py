@@ -46,6 +46,8 @@ def test_centroid_scores_are_at_most_the_exact_mass_jensen():
 def test_centroid_candidates_need_the_rerank():
     assert LocksConfig(rerank=8, rerank_scores="centroid").rerank_scores == "centroid"
     with pytest.raises(ValueError, match="needs rerank in 2..64"):
+        LocksConfig(rerank=0, rerank_scores="centroid")
+    with pytest.raises(ValueError, match="set rerank explicitly"):
         LocksConfig(rerank_scores="centroid")
     with pytest.raises(ValueError, match=r"allowed \('summary', 'centroid'\)"):
         LocksConfig(rerank=8, rerank_scores="centroids")

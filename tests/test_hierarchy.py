@@ -41,7 +41,7 @@ def _view(keys, cfg):
 def test_every_group_kept_is_flat_locks_and_a_covering_budget_is_every_page(n):
     gen = torch.Generator().manual_seed(0)
     keys, q = torch.randn(2, n, 32, generator=gen), torch.randn(2, 3, 32, generator=gen)
-    flat = LocksConfig(budget=64, rank=4)
+    flat = LocksConfig(budget=64, rank=4, rerank=0)
     hier = LocksConfig(budget=64, rank=4, group_pages=4, group_keep=8)  # 2 free slots x 8 >= 6 groups
     view = _view(keys, flat)
     assert torch.equal(choose_pages(q, view, hier, LocksSelector()), choose_pages(q, view, flat, LocksSelector()))

@@ -23,15 +23,16 @@ from kvlocks.selection.topk import select_top_pages  # noqa: E402
 from kvlocks.summary.build import build_summaries  # noqa: E402
 
 S = 16
+DEFAULT_RERANK_MULT = 4  # locks_rerank's candidate multiple (METHOD_MODES)
 
 
 def test_config_validates_rerank():
-    assert LocksConfig().rerank == 0 and LocksConfig(rerank=4).rerank == 4
-    for bad in (1, -1, 65, True, 2.0):
-        with pytest.raises(ValueError, match="LocksConfig.rerank=.*0 \\(off\\) or an integer in 2..64"):
+    assert LocksConfig(rerank=0).rerank == 0 and LocksConfig(rerank=4).rerank == 4
+    for bad in (1, -1, 65, True, 2.0, "on"):
+        with pytest.raises(ValueError, match="LocksConfig.rerank=.*0 \\(off\\), an integer in 2..64 or 'auto'"):
             LocksConfig(rerank=bad)
     cfg = LocksConfig(budget=64, rerank=4)  # k = 4, two free slots -> 8 candidates
-    assert cfg.rerank_candidates(100) == 8 and cfg.rerank_candidates(5) == 5 and LocksConfig().rerank_candidates(9) == 0
+    assert cfg.rerank_candidates(100) == 8 and cfg.rerank_candidates(5) == 5 and LocksConfig(rerank=0).rerank_candidates(9) == 0
     assert LocksConfig.from_json(cfg.to_json()) == cfg
     floor = LocksConfig(budget=64, rerank=4, rerank_min=30)  # at least 30 candidates, never more than the pages
     assert floor.rerank_candidates(100) == 30 and floor.rerank_candidates(20) == 20
@@ -128,7 +129,7 @@ def test_paged_rerank_selects_the_reference_pages_row_by_row(backend, rule):
         assert plan.pages[b, :, : want.shape[-1]].tolist() == want.tolist(), (b, n)
     # without the re-rank the plan keeps its own selection, and the two differ somewhere
     plain = DecodePlan(batch=len(lens), num_kv_heads=hkv, group=g, head_dim=d, max_pages=table.shape[1],
-                       config=LocksConfig(budget=64, combine=rule), dtype=torch.float32, device="cpu",
+                       config=LocksConfig(budget=64, combine=rule, rerank=0), dtype=torch.float32, device="cpu",
                        backend=backend)
     reranked = plan.pages.clone()
     plain.run(q, k, v, store, table, seq)
@@ -151,8 +152,8 @@ def test_hf_cache_with_full_coverage_rerank_decodes_as_the_oracle_and_counts_key
     ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(1))
     runs = {}
     for name, method, lcfg in (("rerank", "locks", LocksConfig(budget=48, rank=4, rerank=64)),
-                               ("oracle", "oracle", LocksConfig(budget=48, rank=4)),
-                               ("locks", "locks", LocksConfig(budget=48, rank=4))):
+                               ("oracle", "oracle", LocksConfig(budget=48, rank=4, rerank=0)),
+                               ("locks", "locks", LocksConfig(budget=48, rank=4, rerank=0))):
         cache = LocksCache(model.config, method=method, config=lcfg)
         logits, token = [prefill(model, cache, ids)], None
         for _ in range(4):
@@ -179,10 +180,42 @@ def test_locks_rerank_method_builds_its_config_and_runs_an_explicit_one_as_given
     assert LocksCache(mc, method="locks_rerank").config.rerank == DEFAULT_RERANK
     assert LocksCache(mc, method="locks_rerank", config=LocksConfig(rerank=8)).config.rerank == 8
     with pytest.raises(ValueError, match="method_config"):  # an explicit config is never rewritten
-        LocksCache(mc, method="locks_rerank", config=LocksConfig(budget=64))
+        LocksCache(mc, method="locks_rerank", config=LocksConfig(budget=64, rerank=0))
     fork = cache.fork()
     assert fork.method == "locks_rerank" and fork.config.rerank == DEFAULT_RERANK
-    assert cache.fork(method="locks", config=LocksConfig(budget=64)).config.rerank == 0
+    assert cache.fork(method="locks", config=LocksConfig(budget=64, rerank=0)).config.rerank == 0
+    assert LocksCache(mc, method="locks_flat").config.rerank == 0
+
+
+def test_default_rule_reranks_below_thirty_free_pages_and_an_explicit_value_wins():
+    """rerank="auto" (the default): 4 while k - sink - recent < 30, else 0; explicit values kept;
+    replace() chooses again for new fields; JSON carries the value chosen; baselines and
+    locks_flat run flat unless the config sets the re-rank."""
+    from kvlocks.config import AUTO_RERANK_BELOW_FREE_PAGES, AUTO_RERANK_MULTIPLE, method_config
+
+    for budget in range(32, 1025, 16):
+        free = budget // S - 2
+        cfg = LocksConfig(budget=budget)
+        want = AUTO_RERANK_MULTIPLE if 0 < free < AUTO_RERANK_BELOW_FREE_PAGES else 0  # k = 2: no free slot
+        assert cfg.rerank_auto and cfg.rerank == want
+        assert cfg.selection() == ("rerank" if cfg.rerank else "flat")
+    assert (LocksConfig(budget=496).rerank, LocksConfig(budget=512).rerank) == (4, 0)  # 29 / 30 free pages
+    assert LocksConfig(budget=512, sink_pages=2).rerank == 4  # 29 free
+    assert LocksConfig(budget=128, group_pages=4).rerank == 0  # groups are their own mode
+    explicit = LocksConfig(budget=128, rerank=0)
+    assert not explicit.rerank_auto and explicit.rerank == 0 and explicit.replace(budget=2048).rerank == 0
+    assert LocksConfig(budget=2048, rerank=8).rerank == 8
+    auto = LocksConfig(budget=128)
+    assert auto.replace(budget=2048).rerank == 0 and auto.replace(budget=2048).rerank_auto
+    assert auto.replace(rerank=0).rerank == 0
+    assert LocksConfig.from_json(auto.to_json()) == auto and '"rerank": 4' in auto.to_json()
+    assert LocksConfig.from_json('{"budget": 128}').rerank == 4
+    assert method_config("locks", auto).rerank == 4
+    assert method_config("locks_flat", auto).rerank == 0 and method_config("quest", auto).rerank == 0
+    assert method_config("quest", LocksConfig(budget=128, rerank=8)).rerank == 8  # set: kept
+    assert method_config("locks_rerank", LocksConfig(budget=2048)).rerank == DEFAULT_RERANK_MULT
+    with pytest.raises(ValueError, match="set rerank explicitly"):
+        LocksConfig(rerank_scores="centroid")
 
 
 @pytest.mark.parametrize("g,rule,dtype,budget,mult", [

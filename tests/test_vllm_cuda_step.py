@@ -25,7 +25,7 @@ from kvlocks.selection.topk import select_top_pages  # noqa: E402
 from kvlocks.summary.build import build_summaries  # noqa: E402
 
 S, HKV, G, D, NB = 16, 2, 3, 64, 40
-CFG = LocksConfig(budget=64)  # k = 4 pages
+CFG = LocksConfig(budget=64, rerank=0)  # k = 4 pages, flat scoring (the reference below)
 
 
 def test_step_lens_marks_long_single_token_rows():
@@ -250,7 +250,7 @@ def test_captured_step_builds_the_filled_page_and_matches_eager(backend, tmp_pat
     assert dec.store.counters.tolist() == [0, 0, 7 + 5 + 9, 3]  # every used page's tags valid
 
 
-MODES = {"flat": {}, "rerank": {"rerank": 2}, "centroid": {"rerank": 2, "rerank_min": 3, "rerank_scores": "centroid"}}
+MODES = {"flat": {"rerank": 0}, "rerank": {"rerank": 2}, "centroid": {"rerank": 2, "rerank_min": 3, "rerank_scores": "centroid"}}
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

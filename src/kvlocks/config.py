@@ -33,10 +33,10 @@ AUTO_RERANK_BELOW_FREE_PAGES = 30
 
 def auto_rerank(pages_per_step: int, sink_pages: int, recent_pages: int, group_pages: int = 0) -> int:
     """The candidate multiple ``LocksConfig.rerank="auto"`` resolves to: :data:`AUTO_RERANK_MULTIPLE`
-    below :data:`AUTO_RERANK_BELOW_FREE_PAGES` free pages per step, else 0 (flat scoring); 0 with
-    page groups (their own mode)."""
+    from 1 to :data:`AUTO_RERANK_BELOW_FREE_PAGES` - 1 free pages per step, else 0 (flat scoring);
+    0 with page groups (their own mode)."""
     free = pages_per_step - sink_pages - recent_pages
-    if group_pages or free >= AUTO_RERANK_BELOW_FREE_PAGES:
+    if group_pages or free <= 0 or free >= AUTO_RERANK_BELOW_FREE_PAGES:  # no free slot: nothing to re-rank
         return 0
     return AUTO_RERANK_MULTIPLE
 

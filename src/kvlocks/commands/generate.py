@@ -24,7 +24,7 @@ class MethodList(tuple):
         parts = value.split(",") if isinstance(value, str) else [value]
         return len(set(parts)) == len(parts) and all(tuple.__contains__(self, p) for p in parts)
 # LocksConfig options of this command and their defaults (None in argparse: "given" is visible)
-LOCKS_DEFAULTS = {"budget": 256, "rank": 8, "basis_bits": 4, "combine": "mean_share", "rerank": 0, "rerank_min": 0,
+LOCKS_DEFAULTS = {"budget": 256, "rank": 8, "basis_bits": 4, "combine": "mean_share", "rerank": "auto", "rerank_min": 0,
                   "rerank_scores": "summary"}
 TEMPERATURE = 0.7
 
@@ -59,8 +59,9 @@ def add_parser(sub) -> None:
                    help="how the query heads of a GQA group combine their page scores "
                         f"(default: {LOCKS_DEFAULTS['combine']})")
     p.add_argument("--rerank", type=int, default=None, help="two-stage selection: the scores choose this many "
-                   "times (k - 2) candidate pages, their exact masses from their keys pick the k (2..64; default: "
-                   "off; --method locks_rerank / locks_centroid set it where it is not given); on the Hugging Face "
+                   "times (k - 2) candidate pages, their exact masses from their keys pick the k (0 for flat "
+                   "scoring, or 2..64; default: 4 below 30 free pages a step, else 0, the measured rule of "
+                   "kvlocks.config.auto_rerank; --method locks_rerank / locks_centroid set it where it is not given); on the Hugging Face "
                    "path and the engine alike")
     p.add_argument("--rerank-min", type=int, default=None, help="with --rerank: at least this many candidates")
     p.add_argument("--rerank-scores", default=None, choices=RERANK_SCORES,

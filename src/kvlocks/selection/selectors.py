@@ -154,7 +154,7 @@ def rank_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, sele
 
     queries ``[..., G, D]`` -> ``(ranking [..., Pc], scores [..., G, Pc] or None)``: float32; a page no
     query head can score (padding only) ranks ``-inf``; ``scores`` is None where the re-rank does not
-    apply (``config.rerank`` off, or a selector that reads every key). Not for ``per_head`` selectors.
+    apply (:func:`reranks`). Not for ``per_head`` selectors.
     The decode plan takes both (:meth:`kvlocks.plan.DecodePlan.run_ranked`); :func:`choose_pages` is
     the token-major reference.
     """
@@ -166,7 +166,16 @@ def rank_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, sele
         scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
         ranking = combine_group(scores, config.combine)  # [..., Pc]
         ranking = torch.where(torch.isneginf(scores).all(dim=-2), float("-inf"), ranking)
-    return ranking, (scores if config.rerank and not selector.reads_all_keys else None)
+    return ranking, (scores if reranks(config, selector) else None)
+
+
+def reranks(config: LocksConfig, selector: Selector) -> bool:
+    """Whether the exact re-rank runs after ``selector``: ``config.rerank`` on and a selector that
+    does not read every key; for a selector other than LOCKS only where the configuration set the
+    re-rank (a baseline runs as published unless asked: the default rule is LOCKS's)."""
+    if not config.rerank or selector.reads_all_keys:
+        return False
+    return isinstance(selector, LocksSelector) or not config.rerank_auto
 
 
 def choose_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, selector: Selector) -> torch.Tensor:

@@ -30,7 +30,7 @@ from kvlocks.selection.rerank import DEFAULT_RERANK  # noqa: F401  (re-exported)
 from kvlocks.plan import PLAN_BACKENDS
 from kvlocks.scoring.cpu import ScoringBuffers
 from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
-from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector
+from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector, reranks
 
 METHODS = ("full", *METHOD_MODES)  # plus every registered selector name, see method_names()
 
@@ -284,7 +284,7 @@ class LocksCache(Cache):
             if self.config.rerank_scores == "centroid":  # the centroids only: int8 and a float16 scale, or float16
                 per_page = d * self.config.coef_bits // 8 + 2 * (self.config.coef_bits == 8)
             sel = hkv * (read * per_page + groups)
-        if self.selector is not None and self.config.rerank and not self.selector.reads_all_keys:
+        if self.selector is not None and reranks(self.config, self.selector):
             pc = n // s  # the re-rank reads the keys of its candidates and of the forced full pages
             exact = min(pc, self.config.rerank_candidates(pc) + self.config.sink_pages + self.config.recent_pages)
             sel += hkv * exact * s * d * elem
