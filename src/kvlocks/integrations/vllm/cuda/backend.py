@@ -281,6 +281,7 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
             if self.locks is None or not isinstance(impl, LocksFlashAttentionImpl) or impl.locks is None or kv is None:
                 return None
             if self._bound.get(name) != kv.data_ptr():  # first step, or vLLM re-allocated its cache
+                memory.RESERVE.release()  # the room held for the summaries since profiling: theirs now
                 impl.attach(name, kv)
                 self._bound[name] = kv.data_ptr()
                 rebound = True

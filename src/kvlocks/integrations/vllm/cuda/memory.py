@@ -105,7 +105,12 @@ class Reserve:
     def release(self) -> int:
         """Free the reserve (the summaries are about to be allocated); returns its size."""
         n = self.bytes if self.tensor is not None else 0
-        self.tensor = None
+        if self.tensor is not None:
+            self.tensor = None
+            # Back to the driver, not only to torch's cache: vLLM may allocate the summaries in another
+            # memory pool (its CUDA-graph pool), which a block cached here would not serve.
+            if not torch.cuda.is_current_stream_capturing():
+                torch.cuda.empty_cache()
         return n
 
 
