@@ -227,6 +227,7 @@ def compacted_files(args, out: Path) -> dict | None:
     files = out / "caches"
     files.mkdir(exist_ok=True)
     spec = {"dir": str(files), "max_tokens": 24, "questions": [Q1],
+            "reference_dtype": "float32" if args.cpu else "bfloat16",  # the server's dtype
             "docs": [{"name": "a", "text": _doc(20, 0), "method": "fold", "t": 48},
                      {"name": "b", "text": _doc(14, 5), "method": "drop_refit", "t": 40}]}
     (out / "compact.spec.json").write_text(json.dumps(spec))

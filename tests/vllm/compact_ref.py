@@ -1,9 +1,10 @@
 """Make compacted-cache files and the Hugging Face path's greedy tokens after them (for the connector tests).
 
 Usage: python compact_ref.py SPEC.json OUT.json. SPEC: {"dir": folder for the files, "docs": [{"name",
-"text", "method", "t"}], "questions": [str], "max_tokens": int}. For every document: compact
-it with kvlocks (float32 model), save ``dir/NAME.safetensors``; for every question: the HF path's
-greedy tokens with that file (``serve.open_cache`` + ``serve.generate``, dense SDPA), and the same
+"text", "method", "t"}], "questions": [str], "max_tokens": int, optional "reference_dtype": the
+dtype of the model that decodes after the files, "float32" (default) or "bfloat16" (what a bf16
+server should match)}. For every document: compact it with kvlocks (float32 model), save
+``dir/NAME.safetensors``; for every question: the HF path's greedy tokens with that file (``serve.open_cache`` + ``serve.generate``, dense SDPA), and the same
 with new tokens at position t instead of T (what serving without re-rotation would give). Also
 writes the hostile files the rejection tests use (see :func:`bad_files`).
 """
@@ -37,6 +38,10 @@ def run(spec: dict) -> dict:
 
     torch.manual_seed(0)
     model, tok = load("smollm2-135m", dtype=torch.float32)
+    dtype = spec.get("reference_dtype", "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"reference_dtype={dtype!r}: allowed 'float32' or 'bfloat16'")
+    decoder = model if dtype == "float32" else load("smollm2-135m", dtype=getattr(torch, dtype))[0]
     out_dir = Path(spec["dir"])
     # few reference passes and queries: these tests check serving, not compaction quality (the
     # bias fit dominates: a fold of 70 of 325 keys with 128 queries took 83 s on 2 busy cores)
@@ -57,15 +62,15 @@ def run(spec: dict) -> dict:
             key = f"{doc['name']}|{q}"
             new = torch.tensor([qids])
             with torch.no_grad():
-                cache = serve.open_cache(model, path)
-                gen = serve.generate(model, cache, new, max_new_tokens=spec["max_tokens"], do_sample=False)
+                cache = serve.open_cache(decoder, path)
+                gen = serve.generate(decoder, cache, new, max_new_tokens=spec["max_tokens"], do_sample=False)
                 result["hf"][key] = gen[0].tolist()
                 # new tokens at positions t.. with the keys not re-rotated: vLLM's positions, no connector fix
-                naive = serve.open_cache(model, path)
+                naive = serve.open_cache(decoder, path)
                 naive.position_offset = 0
                 ids_t = torch.cat([torch.zeros(1, prefix.kept, dtype=torch.long), new], dim=1)  # [1, t + L]
-                gen = model.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), do_sample=False,
-                                     max_new_tokens=spec["max_tokens"], **cache_kwargs(model, naive))
+                gen = decoder.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), do_sample=False,
+                                     max_new_tokens=spec["max_tokens"], **cache_kwargs(decoder, naive))
                 result["hf_shifted_at_t"][key] = gen[0, ids_t.shape[1]:].tolist()
     first = out_dir / f"{spec['docs'][0]['name']}.safetensors"
     result["bad"] = bad_files(first, out_dir)

@@ -41,6 +41,7 @@ import atexit
 import json
 import logging
 import os
+import time
 import weakref
 
 import torch
@@ -85,17 +86,32 @@ def debug_counters() -> dict:
 
 
 def _write_counters(path: str) -> None:
-    """At exit (``KVLOCKS_VLLM_COUNTERS``): the debug counters as JSON, for a serving test that
-    cannot read them from inside the engine process."""
+    """The debug counters as JSON (``KVLOCKS_VLLM_COUNTERS``), for a serving test that cannot read
+    them from inside the engine process: every ``COUNTERS_EVERY_S`` seconds from the metadata
+    builder (an engine process stopped by a signal may never reach its exit handlers) and at exit."""
     try:
-        with open(path, "w") as f:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump({"pid": os.getpid(), **debug_counters()}, f)
+        os.replace(tmp, path)
     except Exception:  # noqa: BLE001 - at interpreter exit the device may be gone; say so
         log.exception("kvlocks: could not write the debug counters to %s", path)
 
 
-if env.get("KVLOCKS_VLLM_COUNTERS"):
-    atexit.register(_write_counters, f"{env.get('KVLOCKS_VLLM_COUNTERS')}.{os.getpid()}")
+COUNTERS_PATH = f"{env.get('KVLOCKS_VLLM_COUNTERS')}.{os.getpid()}" if env.get("KVLOCKS_VLLM_COUNTERS") else None
+COUNTERS_EVERY_S = 5.0
+_counters_written = [0.0]
+if COUNTERS_PATH:
+    atexit.register(_write_counters, COUNTERS_PATH)
+
+
+def _maybe_write_counters() -> None:
+    """From the builder, outside graph capture: the counters file when ``COUNTERS_EVERY_S`` passed
+    (one device sync; only with ``KVLOCKS_VLLM_COUNTERS`` set)."""
+    now = time.monotonic()
+    if COUNTERS_PATH and now - _counters_written[0] >= COUNTERS_EVERY_S and not cuda_compat.is_capturing():
+        _counters_written[0] = now
+        _write_counters(COUNTERS_PATH)
 
 
 def report_layers(vllm_config) -> dict:
@@ -291,6 +307,7 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
         return impls or None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        _maybe_write_counters()
         impls = self._attach()
         view = cuda_compat.batch_view(common_attn_metadata)
         if impls is None or not view.causal:
