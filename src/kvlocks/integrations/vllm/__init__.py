@@ -6,6 +6,6 @@ switches LOCKS decode on for engines started afterwards.
 """
 
 from kvlocks.integrations.vllm.plugin import ENV_VAR, current_config, enable, register
-from kvlocks.integrations.vllm.cpu.store import summary_bytes_per_token
+from kvlocks.integrations.vllm.store import summary_bytes_per_token
 
 __all__ = ["ENV_VAR", "current_config", "enable", "register", "summary_bytes_per_token"]

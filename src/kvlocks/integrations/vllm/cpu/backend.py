@@ -96,10 +96,8 @@ class LocksCPUAttentionImpl(_StockImpl):
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
         if self._store_key != key:  # first use, or vLLM re-allocated its cache: nothing is valid
             nb, _, bs, _ = kv_cache.shape
-            self.store = BlockSummaryStore(self.locks, nb, bs, self.num_kv_heads, self.head_size)
-            self.store.ignore_tags = self.ignore_tags
-            if self.verify:
-                self.store.enable_verification()
+            self.store = BlockSummaryStore(self.locks, nb, bs, self.num_kv_heads, self.head_size, verify=self.verify,
+                                           ignore_tags=self.ignore_tags)
             self._store_key = key
             log.info("kvlocks: LOCKS summaries for %d blocks x %d pages: %.1f MiB per layer",
                      nb, self.store.pages_per_block, self.store.nbytes() / 2**20)

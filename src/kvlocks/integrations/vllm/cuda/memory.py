@@ -30,7 +30,7 @@ from kvlocks.summary.types import summary_bytes
 
 log = logging.getLogger(__name__)
 
-TAG_BYTES_PER_BLOCK = 3 * 4  # write_gen, built_gen, built_page: int32 (cuda/store.py)
+TAG_BYTES_PER_BLOCK = 3 * 4  # write_gen, built_gen, built_page: int32 (vllm/store.py)
 
 
 def summary_bytes_per_block(config: LocksConfig, num_kv_heads: int, head_dim: int) -> int:
