@@ -3,8 +3,8 @@
 The per-sequence reference layout is :class:`kvlocks.summary.types.PageSummaries`; the paged
 cache's layout and the converters between the two are in :mod:`kvlocks.cache.layout`
 (``docs/paged-layout.md``). Every path's store builds on this one: the Hugging Face cache's
-summaries viewed as one (:mod:`kvlocks.integrations.hf.step`), the engine's static cache and both
-vLLM stores (their validity tags beside it).
+summaries viewed as one (:mod:`kvlocks.integrations.hf.step`), the engine's static cache and the
+vLLM backends' tagged store (:mod:`kvlocks.integrations.vllm.store`: this store plus validity tags).
 """
 
 from __future__ import annotations
