@@ -126,15 +126,12 @@ def _prompt_len(request) -> int:
     return int(n) if isinstance(n, int) else len(request.prompt_token_ids or ())
 
 
-class RandomPrefixConnector(_Base):
+class RandomPrefixConnector(compat.SyncLoadOnly, _Base):
     """Loads every prompt's first ``N - 1`` tokens as random K/V (module docstring)."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.served = compat.served_model(vllm_config)
-        unknown = sorted(set(self.served.extra_config) - set(EXTRA_KEYS))
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; allowed {EXTRA_KEYS}")
+        self.served = compat.served_model(vllm_config, extra_keys=EXTRA_KEYS)
         self.seed = int(self.served.extra_config.get("seed", 0))
         cfg = self.served.hf_config
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -198,15 +195,6 @@ class RandomPrefixConnector(_Base):
         STATS["fill_s"] += time.perf_counter() - t0
         log.info("random prefix: %d loads (%s tokens) in %.2f s", len(meta.jobs),
                  [j.stop - j.start for j in meta.jobs], time.perf_counter() - t0)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous, done in start_load_kv
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return  # never saves
-
-    def wait_for_save(self) -> None:
-        return
 
 
 __all__ = ["RandomPrefixConnector", "kv_transfer_config", "random_kv", "slot_mapping", "claimed_tokens", "STATS"]

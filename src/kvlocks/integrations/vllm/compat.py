@@ -275,6 +275,20 @@ def connector_base_classes():
     return KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 
+class SyncLoadOnly:
+    """Mixin for a connector that loads synchronously in ``start_load_kv`` and never saves: vLLM's
+    per-layer wait and save hooks as no-ops."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+
 def transfer_results(finished_recving: set[str], failed_recving: set[str]):
     """What ``get_transfer_results`` returns: failed receives are also reported as finished, as the
     v1 API requires, so the scheduler can release them from their wait."""
@@ -385,8 +399,9 @@ class ServedModel:
     load_failure_policy: str
 
 
-def served_model(vllm_config) -> ServedModel:
-    """Read :class:`ServedModel` from a ``VllmConfig``; fail on a quantized KV cache."""
+def served_model(vllm_config, extra_keys: tuple[str, ...] | None = None) -> ServedModel:
+    """Read :class:`ServedModel` from a ``VllmConfig``; fail on a quantized KV cache, and, with
+    ``extra_keys``, on a ``kv_connector_extra_config`` key outside them (ValueError naming both)."""
     mc, cc, kv = vllm_config.model_config, vllm_config.cache_config, vllm_config.kv_transfer_config
     if cc.cache_dtype != "auto":
         raise VllmCompatError(f"kv_cache_dtype={cc.cache_dtype!r}: the kvlocks connector writes the model "
@@ -395,6 +410,10 @@ def served_model(vllm_config) -> ServedModel:
     if policy is None:
         raise VllmCompatError(f"vLLM {vllm_version()} has no kv_load_failure_policy; the connector needs "
                               "'fail' to reject a request without touching others")
+    extra = dict(kv.kv_connector_extra_config or {})
+    unknown = sorted(set(extra) - set(extra_keys)) if extra_keys is not None else []
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; allowed {extra_keys}")
     return ServedModel(model_dir=str(mc.model), hf_config=mc.hf_config, cache_dtype=mc.dtype,
                        block_size=int(cc.block_size), vocab_size=int(mc.get_vocab_size()),
-                       extra_config=dict(kv.kv_connector_extra_config or {}), load_failure_policy=policy)
+                       extra_config=extra, load_failure_policy=policy)

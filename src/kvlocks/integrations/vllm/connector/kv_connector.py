@@ -98,15 +98,12 @@ def _trace(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-class KvlocksConnector(_Base):
+class KvlocksConnector(compat.SyncLoadOnly, _Base):
     """Loads compacted prefixes into vLLM's paged cache (module docstring)."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.served = compat.served_model(vllm_config)
-        unknown = sorted(set(self.served.extra_config) - set(EXTRA_KEYS))
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; allowed {EXTRA_KEYS}")
+        self.served = compat.served_model(vllm_config, extra_keys=EXTRA_KEYS)
         if self.served.load_failure_policy != "fail":
             raise ValueError(f"kv_load_failure_policy={self.served.load_failure_policy!r}: the kvlocks connector "
                              "needs 'fail' (a recomputed load would prefill the placeholder ids as text)")
@@ -239,15 +236,6 @@ class KvlocksConnector(_Base):
         while len(self._prepared) > _PREPARED_FILES:
             self._prepared.popitem(last=False)
         return layers
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous, done in start_load_kv
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return  # never saves
-
-    def wait_for_save(self) -> None:
-        return
 
     def get_transfer_results(self, finished_req_ids):
         failed, self._failed = self._failed, set()
