@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
 from helpers import long_text, read_trace  # noqa: E402
 
-MAX_TOKENS = 32
+MAX_TOKENS = {"cpu": 32, "cuda": 128}  # new tokens a main request: on the GPU enough growth (8 blocks a request)
+# past vLLM's 1 % watermark that the full pool preempts running requests
 Q1 = " Question: what is the code word for box 12? Answer:"
 
 
@@ -60,13 +61,13 @@ def _prompt(length: int, seed: int) -> list[int]:
     return _tokenizer().encode(long_text(length // 17 + 4, seed=seed))[:length]
 
 
-def make_plan(n: int, max_len: int, files: dict | None) -> list[dict]:
+def make_plan(n: int, max_len: int, files: dict | None, max_tokens: int) -> list[dict]:
     """The requests, sent at once (kinds: sparse/dense by length, cancel, over, file, hostile)."""
-    top = max_len - MAX_TOKENS - 2
+    top = max_len - max_tokens - 2
     plan = []
     for i in range(n):
         length = 1000 + (top - 1000) * i // max(n - 1, 1) if top > 1000 else 100 + 30 * i
-        plan.append({"id": f"req_{i}", "kind": "main", "prompt": _prompt(length, i), "max_tokens": MAX_TOKENS,
+        plan.append({"id": f"req_{i}", "kind": "main", "prompt": _prompt(length, i), "max_tokens": max_tokens,
                      "stream": i % 2 == 1})
     for i in range(4):
         plan.append({"id": f"cancel_{i}", "kind": "cancel", "prompt": _prompt(min(2000, top), 100 + i),
@@ -207,7 +208,7 @@ def references(args, plan, out: Path, locks_json: str) -> list[list[int]]:
         llm.update({"dtype": "float32", "block_size": 32})
     else:
         llm.update({"dtype": "bfloat16", "block_size": 16, "gpu_memory_utilization": args.share})
-    spec = {"llm": llm, "prompts": [r["prompt"] for r in main], "max_tokens": MAX_TOKENS, "locks": locks_json,
+    spec = {"llm": llm, "prompts": [r["prompt"] for r in main], "max_tokens": main[0]["max_tokens"], "locks": locks_json,
             "batches": [[i] for i in range(len(main))]}
     (out / "alone.spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -300,7 +301,7 @@ def main() -> None:
     locks_json = LocksConfig(budget=args.budget).to_json()
     t0 = time.time()
     files = compacted_files(args, args.out)
-    plan = make_plan(args.requests, args.max_model_len, files)
+    plan = make_plan(args.requests, args.max_model_len, files, MAX_TOKENS["cpu" if args.cpu else "cuda"])
     if not args.blocks:
         bs = 32 if args.cpu else 16
         demand = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in plan if r["kind"] == "main")
