@@ -8,7 +8,8 @@ plugin's strict setting)}.
 Greedy, ignoring EOS. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 set by the caller), so the LOCKS backend's debug counters are read here after generating.
 OUT: {"tokens", "logprobs" (per prompt and position: {token id: log-probability}, or null), "counters", "preemptions", "preempted_at", "init_s", "gen_s", "num_gpu_blocks", "memory"}; ``memory``: the device's total and used
-bytes after generating and torch's peak reserved bytes in this process; ``preempted_at``: per
+bytes after generating and torch's allocator figures in this process (:func:`_memory`), with the same
+taken after the engine started under ``after_init``; ``preempted_at``: per
 prompt, the number of its output tokens at each of its preemptions (read from vLLM's scheduler,
 whose ``_preempt_request`` is wrapped in this process; vLLM 0.26 and 0.32 name it so).
 """
@@ -16,6 +17,21 @@ whose ``_preempt_request`` is wrapped in this process; vLLM 0.26 and 0.32 name i
 import json
 import sys
 import time
+
+
+def _memory() -> dict:
+    """The device's total and used bytes and this process's torch allocator figures (current and peak
+    allocated / reserved, and the reserved bytes no tensor uses: fragmentation and cached blocks)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    st = torch.cuda.memory_stats()
+    return {"total": total, "used": total - free, "torch_peak_reserved": torch.cuda.max_memory_reserved(),
+            "torch_peak_allocated": torch.cuda.max_memory_allocated(),
+            "torch_reserved": st.get("reserved_bytes.all.current", 0),
+            "torch_allocated": st.get("allocated_bytes.all.current", 0),
+            "torch_inactive_split": st.get("inactive_split_bytes.all.current", 0)}
+
 
 if __name__ == "__main__":
     spec = json.load(open(sys.argv[1]))
@@ -40,6 +56,7 @@ if __name__ == "__main__":
     t0 = time.time()
     llm = LLM(model=spec.get("model") or str(resolve("smollm2-135m")), seed=0, **spec["llm"])
     t1 = time.time()
+    after_init = _memory()
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
                             logprobs=spec.get("logprobs"))
@@ -65,10 +82,7 @@ if __name__ == "__main__":
         preemptions = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     except Exception:  # noqa: BLE001 - stats disabled (the LLM default) or no prometheus_client
         pass
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    memory = {"total": total, "used": total - free, "torch_peak_reserved": torch.cuda.max_memory_reserved()}
+    memory = {**_memory(), "after_init": after_init}
     num_gpu_blocks = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
     num_gpu_blocks = getattr(num_gpu_blocks, "num_gpu_blocks", None)
     json.dump({"num_gpu_blocks": num_gpu_blocks, "memory": memory, "tokens": [t for _, t in sorted(outs)],
