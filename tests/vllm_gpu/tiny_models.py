@@ -28,13 +28,18 @@ def gemma3_like(out: Path, *, layers: int = 12, window: int = 128) -> tuple[Path
     return out, [i for i, t in enumerate(types) if t == "full_attention"]
 
 
-def gpt_oss_like(out: Path, *, layers: int = 4) -> Path:
-    """Alternating sliding (even layers, 128 tokens) and global layers with learned sinks."""
+def gpt_oss_like(out: Path, *, layers: int = 4, experts_per_token: int = 4) -> Path:
+    """Alternating sliding (even layers, 128 tokens) and global layers with learned sinks; every token
+    routed to ``experts_per_token`` of the 4 experts (default all of them). With top-2 routing, bf16-level differences between two exact attention
+    kernels flip near-tied expert choices of these random weights (FLASH_ATTN and LOCKS then part at
+    step 16 of a 2,300-token prompt; with every expert routed both give the same 24 tokens on every
+    prompt: docs/results/2026-12-06-h100-vllm-serving/, scripts/gpu/probes/sinks_engines.py), which
+    would test the router instead of the sinks."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=4,
-                       num_experts_per_tok=2, sliding_window=128, max_position_embeddings=8192)
+                       num_experts_per_tok=experts_per_token, sliding_window=128, max_position_embeddings=8192)
     torch.manual_seed(0)
     model = GptOssForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)

@@ -1,6 +1,8 @@
 """Which engine leaves the others on the gpt-oss-like model: stock FLASH_ATTN and the LOCKS backend at
 budget 4096, each in CUDA graphs and eagerly (``enforce_eager``), on the prompts, batches and greedy
-tokens of ``tests/vllm_gpu/test_gpu_layers.py::test_gpt_oss_like_sinks_enter_the_softmax``.
+tokens of ``tests/vllm_gpu/test_gpu_layers.py::test_gpt_oss_like_sinks_enter_the_softmax``, with the
+model's top-2 routing (the test itself now routes every expert, after this probe's answer: a routing
+flip; H100, docs/results/2026-12-06-h100-vllm-serving/).
 
 Eager runs take FlashAttention's split count from its own heuristic at each step's real lengths; in full
 CUDA graphs it is fixed at capture (``max_seqlen_k = max_model_len``, up to 32 splits); the LOCKS
@@ -130,7 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = gpt_oss_like(out / "gpt_oss_like")
+    model = gpt_oss_like(out / "gpt_oss_like", experts_per_token=2)  # top-2 routing, as gpt-oss
     if args.cpu_router is not None:
         rows = router_flips_cpu(model, args.cpu_router)
         (out / "router_cpu.json").write_text(json.dumps(rows, indent=1))
