@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlocks.integrations.vllm import compat
+from kvlocks.integrations.vllm.connector.base import SyncLoadOnly, connector_base_classes
 
 log = logging.getLogger(__name__)
 
-_Base, _Metadata, _Role = compat.connector_base_classes()
+_Base, _Metadata, _Role = connector_base_classes()
 CONNECTOR = "RandomPrefixConnector"
 MODULE = "kvlocks_lab.bench.random_prefix"
 CHUNK = 16384  # positions generated at once per layer (a multiple of any block and page size)
@@ -126,7 +127,7 @@ def _prompt_len(request) -> int:
     return int(n) if isinstance(n, int) else len(request.prompt_token_ids or ())
 
 
-class RandomPrefixConnector(compat.SyncLoadOnly, _Base):
+class RandomPrefixConnector(SyncLoadOnly, _Base):
     """Loads every prompt's first ``N - 1`` tokens as random K/V (module docstring)."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:

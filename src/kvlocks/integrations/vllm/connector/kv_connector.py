@@ -41,6 +41,7 @@ from safetensors import safe_open
 from kvlocks import env
 from kvlocks.compaction import cachefile
 from kvlocks.integrations.vllm import compat
+from kvlocks.integrations.vllm.connector.base import SyncLoadOnly, connector_base_classes, transfer_results
 from kvlocks.integrations.vllm.connector.compacted import (
     PARAM,
     FileHeader,
@@ -55,7 +56,7 @@ from kvlocks.pages import num_pages
 
 log = logging.getLogger(__name__)
 
-_Base, _Metadata, _Role = compat.connector_base_classes()
+_Base, _Metadata, _Role = connector_base_classes()
 EXTRA_KEYS = ("cache_dir",)
 _PREPARED_FILES = 4  # prepared (re-rotated, cast) files kept per worker
 
@@ -98,7 +99,7 @@ def _trace(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-class KvlocksConnector(compat.SyncLoadOnly, _Base):
+class KvlocksConnector(SyncLoadOnly, _Base):
     """Loads compacted prefixes into vLLM's paged cache (module docstring)."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
@@ -239,7 +240,7 @@ class KvlocksConnector(compat.SyncLoadOnly, _Base):
 
     def get_transfer_results(self, finished_req_ids):
         failed, self._failed = self._failed, set()
-        return compat.transfer_results(set(), failed)
+        return transfer_results(set(), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
