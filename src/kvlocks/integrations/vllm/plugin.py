@@ -64,7 +64,9 @@ def register() -> None:
         _registered = True
         return
     _registered = True
-    log.info("kvlocks: LOCKS attention backend registered for %s (%r, %r)", entry, config, current_settings())
+    why = " (LocksConfig's default rule for its budget; set rerank to choose)" if config.rerank_auto else ""
+    log.info("kvlocks: LOCKS attention backend registered for %s (%r, %r); selection: %s%s", entry, config,
+             current_settings(), config.selection(), why)
 
 
 def enable(config: LocksConfig, *, strict: bool = False) -> None:
