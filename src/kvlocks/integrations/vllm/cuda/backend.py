@@ -108,8 +108,10 @@ if COUNTERS_PATH:
 def _maybe_write_counters() -> None:
     """From the builder, outside graph capture: the counters file when ``COUNTERS_EVERY_S`` passed
     (one device sync; only with ``KVLOCKS_VLLM_COUNTERS`` set)."""
+    if not COUNTERS_PATH:  # the usual case: nothing on the builder's per-step path
+        return
     now = time.monotonic()
-    if COUNTERS_PATH and now - _counters_written[0] >= COUNTERS_EVERY_S and not cuda_compat.is_capturing():
+    if now - _counters_written[0] >= COUNTERS_EVERY_S and not cuda_compat.is_capturing():
         _counters_written[0] = now
         _write_counters(COUNTERS_PATH)
 
