@@ -201,7 +201,6 @@ def test_kernel_path_only_for_the_kernels_config():
     assert not kernel_path(locks, LocksConfig(basis_bits=8), 64)
     assert not kernel_path(locks, LocksConfig(), 96)
     assert kernel_path(get_selector("oracle"), LocksConfig(), 64)  # its own scores; the kernels select, attend
-    assert not kernel_path(locks, LocksConfig(group_pages=4), 64)  # hierarchical: the references
     assert not kernel_path(locks, LocksConfig(page_size=32, budget=64), 64)  # the references run instead
     assert not kernel_path(locks, LocksConfig(rank=6), 64)
     with pytest.raises(ValueError, match="backend="):

@@ -201,7 +201,6 @@ def test_default_rule_reranks_below_thirty_free_pages_and_an_explicit_value_wins
         assert cfg.selection() == ("rerank" if cfg.rerank else "flat")
     assert (LocksConfig(budget=496).rerank, LocksConfig(budget=512).rerank) == (4, 0)  # 29 / 30 free pages
     assert LocksConfig(budget=512, sink_pages=2).rerank == 4  # 29 free
-    assert LocksConfig(budget=128, group_pages=4).rerank == 0  # groups are their own mode
     explicit = LocksConfig(budget=128, rerank=0)
     assert not explicit.rerank_auto and explicit.rerank == 0 and explicit.replace(budget=2048).rerank == 0
     assert LocksConfig(budget=2048, rerank=8).rerank == 8

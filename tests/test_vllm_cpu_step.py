@@ -142,10 +142,3 @@ def test_paged_blocks_read_the_plan_layout():
             assert torch.equal(half[pages, :, heads], want[pages, :, heads])
             with pytest.raises(IndexError, match="x\\[pages, :, heads\\]"):
                 half[pages]
-
-
-def test_page_groups_are_refused_naming_the_setting():
-    cfg = LocksConfig(budget=128, rerank=0, group_pages=4)
-    keys, values, q, table, lens = case(torch.float32)
-    with pytest.raises(ValueError, match="group_pages=4.*group_pages=0"):
-        backend_step(cfg, keys, values, q, table, lens, "kT_v")

@@ -32,12 +32,11 @@ AUTO_RERANK_MULTIPLE = 4
 AUTO_RERANK_BELOW_FREE_PAGES = 30
 
 
-def auto_rerank(pages_per_step: int, sink_pages: int, recent_pages: int, group_pages: int = 0) -> int:
+def auto_rerank(pages_per_step: int, sink_pages: int, recent_pages: int) -> int:
     """The candidate multiple ``LocksConfig.rerank="auto"`` resolves to: :data:`AUTO_RERANK_MULTIPLE`
-    from 1 to :data:`AUTO_RERANK_BELOW_FREE_PAGES` - 1 free pages per step, else 0 (flat scoring);
-    0 with page groups (their own mode)."""
+    from 1 to :data:`AUTO_RERANK_BELOW_FREE_PAGES` - 1 free pages per step, else 0 (flat scoring)."""
     free = pages_per_step - sink_pages - recent_pages
-    if group_pages or free <= 0 or free >= AUTO_RERANK_BELOW_FREE_PAGES:  # no free slot: nothing to re-rank
+    if free <= 0 or free >= AUTO_RERANK_BELOW_FREE_PAGES:  # no free slot: nothing to re-rank
         return 0
     return AUTO_RERANK_MULTIPLE
 
@@ -86,16 +85,6 @@ class LocksConfig(ConfigIO):
         summaries; ``"centroid"``: each page's centroid alone, ``log n + scale q.mu`` for its n
         tokens (Eq. 4 at rank 0), which reads ``D + 2`` of a summary's bytes per page at int8 (the
         ``locks_centroid`` method).
-    group_pages : int
-        Hierarchical scoring: 0 (off, the default) or the pages per group, 2..256 (at most 4096
-        tokens). Each group of consecutive full pages has a LOCKS summary of its own (a super-page
-        of ``group_pages * page_size`` keys, rank ``group_rank``); a step scores the groups, keeps
-        the best ``group_keep * (k - sink_pages - recent_pages)`` of them and scores only their
-        pages (:mod:`kvlocks.selection.hierarchy`).
-    group_rank : int
-        Rank of the group summaries, 1..``group_pages * page_size`` (default 8).
-    group_keep : int
-        Groups kept per free page slot, >= 1 (default 1).
     """
 
     page_size: int = 16
@@ -109,9 +98,6 @@ class LocksConfig(ConfigIO):
     rerank: int | str = RERANK_AUTO
     rerank_min: int = 0
     rerank_scores: str = "summary"
-    group_pages: int = 0
-    group_rank: int = 8
-    group_keep: int = 1
 
     def __post_init__(self) -> None:
         _check_int("page_size", self.page_size, 2, 4096)
@@ -143,7 +129,7 @@ class LocksConfig(ConfigIO):
                                  "page centroids: set rerank explicitly (an integer in 2..64; 16 in the "
                                  "locks_centroid method)")
             object.__setattr__(self, "rerank", auto_rerank(self.budget // self.page_size, self.sink_pages,
-                                                           self.recent_pages, self.group_pages))
+                                                           self.recent_pages))
         object.__setattr__(self, "_rerank_auto", auto)  # not a field: equality and JSON see the value
         if isinstance(self.rerank, bool) or not isinstance(self.rerank, int) or not (
                 self.rerank == 0 or 2 <= self.rerank <= 64):
@@ -155,14 +141,6 @@ class LocksConfig(ConfigIO):
         if self.rerank_scores == "centroid" and not self.rerank:
             raise ValueError("LocksConfig.rerank_scores='centroid' chooses candidates for the exact re-rank from the "
                              "page centroids: it needs rerank in 2..64 (got rerank=0)")
-        if isinstance(self.group_pages, bool) or not isinstance(self.group_pages, int) or not (
-                self.group_pages == 0 or 2 <= self.group_pages <= 256):
-            raise ValueError(f"LocksConfig.group_pages={self.group_pages!r}: allowed 0 (off) or an integer in 2..256")
-        if self.group_pages * self.page_size > 4096:
-            raise ValueError(f"LocksConfig.group_pages={self.group_pages}: a group of group_pages * page_size = "
-                             f"{self.group_pages * self.page_size} tokens exceeds 4096")
-        _check_int("group_rank", self.group_rank, 1, self.group_pages * self.page_size or None)
-        _check_int("group_keep", self.group_keep, 1)
 
     @property
     def rerank_auto(self) -> bool:
@@ -177,9 +155,7 @@ class LocksConfig(ConfigIO):
         return super().replace(**changes)
 
     def selection(self) -> str:
-        """The selection a step runs: ``"flat"``, ``"rerank"``, ``"centroid"`` or ``"groups"``."""
-        if self.group_pages:
-            return "groups"
+        """The selection a step runs: ``"flat"``, ``"rerank"`` or ``"centroid"``."""
         if self.rerank:
             return "centroid" if self.rerank_scores == "centroid" else "rerank"
         return "flat"
@@ -189,27 +165,12 @@ class LocksConfig(ConfigIO):
         """k: pages attended per (layer, KV head) at one decode step."""
         return self.budget // self.page_size
 
-    def groups_kept(self, full_groups: int) -> int:
-        """Groups whose pages are scored, of ``full_groups`` (0 when hierarchical scoring is off)."""
-        if not self.group_pages:
-            return 0
-        free = max(1, self.pages_per_step - self.sink_pages - self.recent_pages)
-        return min(full_groups, self.group_keep * free)
-
     def rerank_candidates(self, full_pages: int) -> int:
         """Candidate pages the exact re-rank scores among ``full_pages`` (0 when it is off)."""
         if not self.rerank:
             return 0
         free = max(1, self.pages_per_step - self.sink_pages - self.recent_pages)
         return min(full_pages, max(self.rerank * free, self.rerank_min))
-
-
-def group_config(config: LocksConfig) -> LocksConfig:
-    """The configuration of the group summaries (``group_pages``): super-pages of
-    ``group_pages * page_size`` keys at ``group_rank`` (:mod:`kvlocks.selection.hierarchy`)."""
-    size = config.group_pages * config.page_size
-    return LocksConfig(page_size=size, rank=config.group_rank, budget=2 * size, basis_bits=config.basis_bits,
-                       coef_bits=config.coef_bits, combine=config.combine)
 
 
 # The product's method names that stand for a LocksConfig mode of the ``locks`` selector: the
@@ -220,20 +181,17 @@ METHOD_MODES = {
     "locks_flat": {"rerank": 0},
     "locks_rerank": {"rerank": 4},
     "locks_centroid": {"rerank": 16, "rerank_min": 256, "rerank_scores": "centroid"},
-    "locks_hier": {"group_pages": 16, "group_keep": 2},
 }
 
 
 def in_mode(method: str, config: LocksConfig) -> bool:
     """Whether ``config`` runs the mode a :data:`METHOD_MODES` name stands for (True for other names)."""
     if method == "locks_flat":
-        return config.rerank == 0 and not config.group_pages
+        return config.rerank == 0
     if method == "locks_rerank":
         return config.rerank > 0
     if method == "locks_centroid":
         return config.rerank_scores == "centroid"
-    if method == "locks_hier":
-        return config.group_pages > 0
     return True
 
 

@@ -62,15 +62,6 @@ def kernel_support(*, page_size: int, rank: int, head_dim: int | None, basis_bit
     return None
 
 
-def check_plan(config, owner: str = "LocksConfig") -> None:
-    """Raise ``ValueError`` for what the decode plan (the engine, the vLLM CUDA backend) does not run:
-    hierarchical scoring (``group_pages``), which runs on the references only."""
-    if getattr(config, "group_pages", 0):
-        raise ValueError(f"{owner}: group_pages={config.group_pages}: hierarchical scoring runs on the references "
-                         "only (the Hugging Face cache's reference path, kvlocks.selection.choose_pages); the decode "
-                         "plan, the engine and the vLLM CUDA backend need group_pages=0")
-
-
 def check_config(config, head_dim: int | None, *, backend: str, owner: str = "LocksConfig") -> None:
     """Raise ``ValueError`` with :func:`kernel_support`'s reason for a ``LocksConfig``."""
     why = kernel_support(page_size=config.page_size, rank=config.rank, head_dim=head_dim,

@@ -28,7 +28,7 @@ from kvlocks._checks import check_out
 from kvlocks.attention.reference import sparse_decode as ref_sparse_decode
 from kvlocks.cache.layout import paged_to_token_major
 from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
-from kvlocks.kernels_support import check_config, check_plan
+from kvlocks.kernels_support import check_config
 from kvlocks.pages import full_pages, num_pages
 from kvlocks.scoring.reference import combine_group, score_pages_from_centroids, score_pages_from_summaries
 from kvlocks.selection.topk import select_top_pages
@@ -257,7 +257,6 @@ class DecodePlan:
         self.config, self.backend = config, resolve_backend(backend, device)
         if self.backend != "cpu":  # the cpu backend also scores summaries of any bit widths
             check_config(config, head_dim, backend=self.backend)
-        check_plan(config)
         self.options = options or default_kernel_options()
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         self.k = config.pages_per_step

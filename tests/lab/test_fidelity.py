@@ -486,6 +486,7 @@ def test_rerank_selection_mask_is_the_oracle_when_candidates_cover_the_pages_and
     from kvlocks.selection.topk import select_top_pages
     from kvlocks_lab.fidelity.metrics import selection_mask
     from kvlocks_lab.fidelity.variants import variant
+    from kvlocks_lab.selectors.hier import Groups, group_summaries, hierarchical_ranking
 
     gen = torch.Generator().manual_seed(0)
     q, keys = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 20 * 16, 16, generator=gen)
@@ -516,17 +517,17 @@ def test_hierarchical_selection_mask_is_the_library_rule():
 
     from kvlocks.config import LocksConfig
     from kvlocks.scoring.reference import score_pages_from_summaries
-    from kvlocks.selection.hierarchy import group_summaries, hierarchical_ranking
     from kvlocks.selection.topk import select_top_pages
     from kvlocks_lab.fidelity.metrics import selection_mask
     from kvlocks_lab.fidelity.variants import variant
+    from kvlocks_lab.selectors.hier import Groups, group_summaries, hierarchical_ranking
 
     gen = torch.Generator().manual_seed(4)
     q, keys = torch.randn(2, 3, 16, generator=gen), torch.randn(2, 24 * 16, 16, generator=gen)
-    cfg = LocksConfig(budget=64, rank=4, group_pages=4, group_keep=1, group_rank=4)
-    gscores = score_pages_from_summaries(q, group_summaries(keys, cfg), scale=0.25)  # [2, 3, 6]
+    cfg, groups = LocksConfig(budget=64, rank=4, rerank=0), Groups(pages=4, keep=1, rank=4)
+    gscores = score_pages_from_summaries(q, group_summaries(keys, cfg, groups), scale=0.25)  # [2, 3, 6]
     est = torch.randn(2, 3, 24, generator=gen)
-    ranking, _ = hierarchical_ranking(est, gscores, cfg)
+    ranking, _ = hierarchical_ranking(est, gscores, cfg, groups)
     want = torch.zeros(2, 24, dtype=torch.bool).scatter(-1, select_top_pages(ranking, 24, 4), True)
     got = selection_mask(est, 4, group_scores=gscores, group_pages=4, group_keep=1)
     assert torch.equal(got, want.unsqueeze(-2).expand(2, 3, 24))

@@ -11,6 +11,7 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks_lab.fidelity.group_bound import bound_groups, bound_scores
+from kvlocks_lab.selectors.hier import Groups
 
 
 def _exact(q, keys, size, scale):
@@ -29,7 +30,7 @@ def test_the_bound_is_never_below_the_exact_group_mass(kind, rank):
     if kind == "spiked":
         keys[:, 77] += 6 * torch.randn(2, d, generator=gen)
     q = 1.5 * torch.randn(2, 5, d, generator=gen)
-    cfg = LocksConfig(budget=64, rank=4, group_pages=4, group_rank=rank)
+    cfg = Groups(pages=4, rank=rank).config(LocksConfig(budget=64, rank=4))
     scale = d ** -0.5
     bound = bound_scores(q, bound_groups(keys, cfg), scale=scale)
     assert bound.shape == (2, 5, 6)
@@ -41,7 +42,7 @@ def test_identical_keys_give_the_exact_mass():
     key = torch.randn(16, generator=gen)
     keys = key.expand(1, 2 * 32, 16).clone()  # 2 groups of 32 identical keys
     q = torch.randn(1, 3, 16, generator=gen)
-    cfg = LocksConfig(budget=32, rank=2, group_pages=2, group_rank=2)
+    cfg = Groups(pages=2, rank=2).config(LocksConfig(budget=32, rank=2))
     bound = bound_scores(q, bound_groups(keys, cfg), scale=0.25)
     exact = math.log(32) + 0.25 * (q @ key)  # [1, 3]
     torch.testing.assert_close(bound, exact.unsqueeze(-1).expand(1, 3, 2), atol=0.05, rtol=0)

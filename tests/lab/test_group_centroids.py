@@ -27,8 +27,8 @@ def test_pages_of_identical_keys_give_the_exact_group_mass():
     mu[..., 0] = 127.0
     keys = mu.repeat_interleave(s, dim=1)  # [2, P*S, D]
     q = 0.01 * torch.randn(2, 3, d, generator=gen)
-    cfg = LocksConfig(budget=64, rank=4, group_pages=4)
-    got = centroid_group_scores(q, keys, cfg, scale=0.125)
+    cfg = LocksConfig(budget=64, rank=4)
+    got = centroid_group_scores(q, keys, cfg, group_pages=4, scale=0.125)
     assert got.shape == (2, 3, 3)
     torch.testing.assert_close(got.double(), _exact(q, keys, 4 * s, 0.125), rtol=0, atol=1e-4)
 
@@ -39,8 +39,8 @@ def test_the_score_is_not_above_the_exact_group_mass():
     keys = 2 * torch.randn(3, 16 * s * m // 4, d, generator=gen)
     q = 1.5 * torch.randn(3, 5, d, generator=gen)
     scale = d ** -0.5
-    cfg = LocksConfig(budget=64, rank=4, group_pages=m)
-    got = centroid_group_scores(q, keys, cfg, scale=scale).double()
+    cfg = LocksConfig(budget=64, rank=4)
+    got = centroid_group_scores(q, keys, cfg, group_pages=m, scale=scale).double()
     exact = _exact(q, keys, m * s, scale)
     # int8 rounding moves each centroid coordinate by at most absmax/254: bound its effect on q.mu
     slack = scale * q.abs().sum(-1, keepdim=True).double() * keys.abs().amax().double() / 254
@@ -56,7 +56,7 @@ def test_a_needle_page_dominates_its_group_score():
     needle = 2 * m + 5  # a page of group 2
     keys[0, needle * s:(needle + 1) * s] += 6.0 * q[0, 0] / q[0, 0].norm()  # ~6 nats above the rest
     scale = d ** -0.5
-    got = centroid_group_scores(q, keys, LocksConfig(budget=64, rank=4, group_pages=m), scale=scale)
+    got = centroid_group_scores(q, keys, LocksConfig(budget=64, rank=4), group_pages=m, scale=scale)
     assert int(got.argmax()) == 2
     page = math.log(s) + scale * (keys[0, needle * s:(needle + 1) * s].mean(0) @ q[0, 0])
     assert abs(float(got[0, 0, 2]) - float(page)) < 0.05  # the needle page's own term, not an average

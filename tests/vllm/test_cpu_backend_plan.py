@@ -81,16 +81,3 @@ def test_backend_forward_is_the_torch_plan(mode, sinks, tmp_path):
     assert [r["pages"] for r in recs] == plan.pages.tolist()
     assert [r["stale"] for r in recs] == [0, 0, 0] and sum(r["built"] for r in recs) == 62 + 27 + 80
     torch.testing.assert_close(output, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_page_groups_are_refused_at_start_naming_the_setting(monkeypatch):
-    """On vLLM's CPU platform the plugin refuses ``group_pages`` (the plan does not run page groups),
-    naming the field and the allowed value, before it registers anything."""
-    from kvlocks.integrations.vllm import plugin
-    from kvlocks.integrations.vllm.settings import ENV_VAR
-
-    monkeypatch.setenv(ENV_VAR, LocksConfig(budget=128, rerank=0, group_pages=16).to_json())
-    monkeypatch.setattr(plugin, "_registered", False)
-    with pytest.raises(ValueError, match=f"{ENV_VAR}: group_pages=16: .*need group_pages=0"):
-        plugin.register()
-    assert plugin._registered is False

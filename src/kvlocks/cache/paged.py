@@ -4,9 +4,7 @@ Keys and values live in buffers ``[B, Hkv, capacity, D]`` whose token axis is a 
 pages (``[B, Hkv, capacity / S, S, D]`` viewed page-major). Appends write in place; capacity
 doubles when full, so a decode step costs O(1) amortised copies. Whenever pages become full,
 their summaries are built in one batch (all prompt pages at the end of prefill, then one page at
-a time as decode fills them). The partial last page is never summarised. With
-``LocksConfig.group_pages = m`` the groups of ``m`` full pages get their summaries the same way,
-once, when their last page fills (:mod:`kvlocks.selection.hierarchy`).
+a time as decode fills them). The partial last page is never summarised.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvlocks._checks import check_finite
-from kvlocks.config import LocksConfig, group_config
+from kvlocks.config import LocksConfig
 from kvlocks.pages import full_pages, num_pages
 from kvlocks.summary.build import build_summaries
 from kvlocks.summary.types import PageSummaries
@@ -37,7 +35,6 @@ class PagedLayerStore:
         self._v: torch.Tensor | None = None
         self.length = 0
         self.summaries: PageSummaries | None = None  # leading dims [B, Hkv], P = length // S
-        self.groups: PageSummaries | None = None  # with group_pages m: length // (m * S) groups
         self.build_calls = 0
 
     @property
@@ -99,21 +96,10 @@ class PagedLayerStore:
         new = self._summarize(pages)
         self.summaries = new if self.summaries is None else self.summaries.cat(new)
         self.build_calls += 1
-        if self.config.group_pages:
-            self._build_new_groups()
 
     def _summarize(self, pages: torch.Tensor) -> PageSummaries:
         """Summaries of full pages ``[B, Hkv, p, S, D]`` (a subclass may run a kernel)."""
         return build_summaries(pages, self.config)
-
-    def _build_new_groups(self) -> None:
-        gcfg = group_config(self.config)
-        size = gcfg.page_size
-        done = 0 if self.groups is None else self.groups.num_pages
-        full = self.length // size
-        if full > done:
-            new = build_summaries(self._k[:, :, done * size : full * size].unflatten(2, (full - done, size)), gcfg)
-            self.groups = new if self.groups is None else self.groups.cat(new)
 
     def _empty(self, config: LocksConfig, build: bool, **kwargs) -> "PagedLayerStore":
         return PagedLayerStore(config, build=build)
@@ -131,13 +117,9 @@ class PagedLayerStore:
             new.length = self.length
         fields = ("page_size", "rank", "basis_bits", "coef_bits")
         same = self.summaries is not None and all(getattr(config, f) == getattr(self.config, f) for f in fields)
-        same_groups = same and all(getattr(config, f) == getattr(self.config, f) for f in ("group_pages", "group_rank"))
         if build:
             if same:
                 new.summaries = self.summaries
-                new.groups = self.groups if same_groups else None
-                if new.length and config.group_pages:
-                    new._build_new_groups()
             elif new.length:
                 new._build_new_pages()
         return new
@@ -148,8 +130,6 @@ class PagedLayerStore:
         if self.summaries is not None:
             keep = full_pages(self.length, self.config.page_size)
             self.summaries = self.summaries.select_pages(slice(0, keep))
-        if self.groups is not None:
-            self.groups = self.groups.select_pages(slice(0, self.length // group_config(self.config).page_size))
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Reorder / select / repeat sequences: row i becomes old row ``index[i]``."""
@@ -159,5 +139,3 @@ class PagedLayerStore:
         self._v = self._v.index_select(0, index.to(self._v.device))
         if self.summaries is not None:
             self.summaries = self.summaries.index_lead(index)
-        if self.groups is not None:
-            self.groups = self.groups.index_lead(index)

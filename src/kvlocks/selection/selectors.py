@@ -30,7 +30,6 @@ from kvlocks.scoring.reference import (
     combine_group, exact_page_lse, score_pages_from_centroids, score_pages_from_summaries,
 )
 from kvlocks.selection.pages import page_mask
-from kvlocks.selection.hierarchy import hierarchical_page_scores, hierarchical_ranking
 from kvlocks.selection.rerank import rerank_ranking
 from kvlocks.selection.topk import select_top_pages
 from kvlocks.summary.types import PageSummaries
@@ -46,8 +45,6 @@ class LayerView:
     scale : softmax scale of the model (``1/sqrt(D)`` for most models)
     layer : index of the layer in the model, or ``None`` (selectors with per-layer state, such as
         Loki's calibration, need it; the HF decode path sets it)
-    groups : PageSummaries of the full groups (``LocksConfig.group_pages``) as the cache keeps
-        them, or ``None`` (then hierarchical scoring builds them from ``keys``)
     """
 
     keys: torch.Tensor
@@ -55,7 +52,6 @@ class LayerView:
     token_mask: torch.Tensor | None
     scale: float
     layer: int | None = None
-    groups: PageSummaries | None = None
 
 
 class Selector(Protocol):
@@ -68,6 +64,9 @@ class Selector(Protocol):
 
     - ``per_head`` (default False): each query head selects its own pages; :func:`choose_pages`
       then returns ``[..., G, K]`` (see :mod:`kvlocks_lab.selectors.oracle_per_head`);
+    - ``rank_pages(queries, view, config) -> (ranking [..., Pc], scores [..., G, Pc])``: a selector
+      that combines the query heads its own way (see :mod:`kvlocks_lab.selectors.hier`) returns
+      its ranking and the per-head scores an exact re-rank starts from, as :func:`rank_pages` does;
     - ``bytes_per_page(config, head_dim, elem_size) -> (payload, scales)`` and
       ``selection_bytes(config, head_dim, elem_size, full_pages) -> float``: the bytes a selector
       with its own resident summary reads per page and per step (one KV head).
@@ -158,10 +157,9 @@ def rank_pages(queries: torch.Tensor, view: LayerView, config: LocksConfig, sele
     The decode plan takes both (:meth:`kvlocks.plan.DecodePlan.run_ranked`); :func:`choose_pages` is
     the token-major reference.
     """
-    if config.group_pages and isinstance(selector, LocksSelector):  # groups first, then their pages
-        scores, groups = hierarchical_page_scores(queries, view.keys, view.summaries, config, scale=view.scale,
-                                                  token_mask=view.token_mask, groups=view.groups)
-        ranking, scores = hierarchical_ranking(scores, groups, config)
+    own = getattr(selector, "rank_pages", None)
+    if own is not None:  # a selector with its own combine
+        ranking, scores = own(queries, view, config)
     else:
         scores = selector.page_scores(queries, view, config)  # [..., G, Pc]
         ranking = combine_group(scores, config.combine)  # [..., Pc]

@@ -19,7 +19,6 @@ import math
 import torch
 
 from kvlocks.config import LocksConfig
-from kvlocks.selection.hierarchy import group_config
 from kvlocks.summary.build import build_summaries
 
 
@@ -31,10 +30,10 @@ def _round(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(bad, step, h).float()
 
 
-def bound_groups(keys: torch.Tensor, config: LocksConfig) -> dict:
-    """The bound's group summary of the full groups of ``keys [..., N, D]``: c, V (dequantized),
-    lo, hi [..., NG, R], rho [..., NG], n."""
-    gcfg = group_config(config)
+def bound_groups(keys: torch.Tensor, gcfg: LocksConfig) -> dict:
+    """The bound's group summary of the full groups of ``keys [..., N, D]``, each group a super-page
+    of ``gcfg`` (:meth:`kvlocks_lab.selectors.hier.Groups.config`): c, V (dequantized), lo, hi
+    [..., NG, R], rho [..., NG], n."""
     ng = keys.shape[-2] // gcfg.page_size
     k = keys[..., : ng * gcfg.page_size, :].float().unflatten(-2, (ng, gcfg.page_size))  # [..., NG, n, D]
     s = build_summaries(k, gcfg)

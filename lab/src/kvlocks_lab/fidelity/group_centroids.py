@@ -1,6 +1,6 @@
 """A group score from the member pages' centroids (a candidate coarse level that keeps the pages apart).
 
-The Eq. 4 score of a group summarised as one super-page (:mod:`kvlocks.selection.hierarchy`) mixes
+The Eq. 4 score of a group summarised as one super-page (:mod:`kvlocks_lab.selectors.hier`) mixes
 its m pages into one rank-R basis, so a page whose keys point elsewhere than the rest of the
 group (a needle in a haystack) is averaged away. Here a group of m pages is summarised by the m
 int8 centroids its pages' LOCKS summaries hold anyway, and scored by the rank-0 Eq. 4 estimate
@@ -26,15 +26,15 @@ from kvlocks.config import LocksConfig
 from kvlocks.summary.build import build_summaries
 
 
-def centroid_group_scores(queries: torch.Tensor, keys: torch.Tensor, config: LocksConfig, *,
+def centroid_group_scores(queries: torch.Tensor, keys: torch.Tensor, config: LocksConfig, *, group_pages: int,
                           scale: float) -> torch.Tensor:
-    """Scores ``[..., G, NG]`` of the full groups of ``config.group_pages`` pages.
+    """Scores ``[..., G, NG]`` of the full groups of ``group_pages`` pages.
 
     queries ``[..., G, D]`` (one query step per leading index, as the Eq. 4 scorers take them),
     keys ``[..., N, D]`` token-major; the centroids are those of the LOCKS page summaries
     (int8 with their scales) that ``config`` builds.
     """
-    s, m = config.page_size, config.group_pages
+    s, m = config.page_size, group_pages
     pages = keys.shape[-2] // s
     ng = pages // m
     k = keys[..., : pages * s, :].float().unflatten(-2, (pages, s))  # [..., P, S, D]

@@ -31,9 +31,9 @@ from kvlocks_lab.fidelity.tails import TailStats, page_properties
 from kvlocks_lab.fidelity.variants import Estimate, Resources, Variant, estimate, variant
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import score_pages_from_summaries
-from kvlocks.selection.hierarchy import group_summaries
 from kvlocks_lab.fidelity.group_bound import bound_groups, bound_scores
 from kvlocks_lab.fidelity.group_centroids import centroid_group_scores
+from kvlocks_lab.selectors.hier import Groups, group_summaries
 from kvlocks.summary import spectral_basis
 
 SCATTER = ("locks", "shadowkv", "global", "loki")  # variants sampled for the share figure
@@ -154,14 +154,16 @@ class LayerMeasure:
             return None
         key = (v.group_pages, v.group_rank or self.res.rank, v.group_bound, v.group_centroids)
         if key not in self._groups:
-            cfg = LocksConfig(page_size=self.data.page_size, rank=self.res.rank, group_pages=v.group_pages,
-                              group_rank=key[1], budget=2 * self.data.page_size)
+            cfg = LocksConfig(page_size=self.data.page_size, rank=self.res.rank, budget=2 * self.data.page_size)
+            groups = Groups(pages=v.group_pages, rank=key[1])
             if v.group_centroids:
-                scores = centroid_group_scores(self.data.flat_queries, self.data.keys, cfg, scale=self.data.scale)
+                scores = centroid_group_scores(self.data.flat_queries, self.data.keys, cfg, group_pages=v.group_pages,
+                                               scale=self.data.scale)
             elif v.group_bound:
-                scores = bound_scores(self.data.flat_queries, bound_groups(self.data.keys, cfg), scale=self.data.scale)
+                scores = bound_scores(self.data.flat_queries, bound_groups(self.data.keys, groups.config(cfg)),
+                                      scale=self.data.scale)
             else:
-                scores = score_pages_from_summaries(self.data.flat_queries, group_summaries(self.data.keys, cfg),
+                scores = score_pages_from_summaries(self.data.flat_queries, group_summaries(self.data.keys, cfg, groups),
                                                     scale=self.data.scale)
             self._groups[key] = self.data.unflatten(scores)
         return self._groups[key]

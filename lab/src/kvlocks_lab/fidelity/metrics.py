@@ -14,9 +14,9 @@ import torch
 
 from kvlocks.config import LocksConfig
 from kvlocks.scoring.reference import combine_group
-from kvlocks.selection.hierarchy import hierarchical_ranking
 from kvlocks.selection.rerank import forced_pages, merge_exact, pick_candidates
 from kvlocks.selection.topk import select_top_pages
+from kvlocks_lab.selectors.hier import Groups, hierarchical_ranking
 
 
 def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = "mean_share",
@@ -31,15 +31,15 @@ def selection_mask(scores: torch.Tensor, pages_per_step: int, *, combine: str = 
     sink + recent + the best of the rest, ``min(k, P)`` pages. ``rerank`` (shared selection):
     the two-stage selection of :mod:`kvlocks.selection.rerank` with ``exact [..., G, P]`` the
     exact page log-sum-exp its candidates read, at least ``rerank_min`` of them. ``group_pages`` (shared selection): hierarchical
-    scoring (:mod:`kvlocks.selection.hierarchy`) with ``group_scores [..., G, NG]`` the groups' Eq. 4
+    scoring (:mod:`kvlocks_lab.selectors.hier`) with ``group_scores [..., G, NG]`` the groups' Eq. 4
     scores.
     """
     p = scores.shape[-1]
     ranking = scores if per_head else combine_group(scores, combine)  # [..., G, P] or [..., P]
     if group_pages and not per_head:
         hcfg = LocksConfig(budget=16 * pages_per_step, sink_pages=sink_pages, recent_pages=recent_pages,
-                           combine=combine, group_pages=group_pages, group_keep=group_keep)
-        ranking, scores = hierarchical_ranking(scores, group_scores, hcfg)
+                           combine=combine, rerank=0)
+        ranking, scores = hierarchical_ranking(scores, group_scores, hcfg, Groups(pages=group_pages, keep=group_keep))
     if rerank and not per_head:
         cfg = LocksConfig(budget=16 * pages_per_step, sink_pages=sink_pages, recent_pages=recent_pages,
                           rerank=rerank)

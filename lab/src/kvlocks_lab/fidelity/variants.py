@@ -22,7 +22,7 @@ locks_rerank<C>[_r<R>]  locks's scores (rank R if given) choose C x (k - 2) cand
                         ``LocksConfig.rerank = C``)
 locks_hier<M>[_k<K>]    hierarchical scoring: groups of M pages with their own summaries (rank as
                         the run's), the best K x (k - 2) groups' pages scored (K = 1 by default;
-                        :mod:`kvlocks.selection.hierarchy`); ``locks_hierb``: groups scored by
+                        :mod:`kvlocks_lab.selectors.hier`); ``locks_hierb``: groups scored by
                         an upper bound (:mod:`.group_bound`), ``locks_hierc``: by their pages'
                         centroids (:mod:`.group_centroids`)
 locks_cascade<C>_r<R>   two tiers of page summaries: rank-R LOCKS summaries (int4 basis) of every

@@ -6,8 +6,7 @@ configuration (:func:`kvlocks.kernels_support.kernel_support`), otherwise its ``
 (batched PyTorch, any device). Every mode of the configuration (flat, ``rerank``,
 ``rerank_scores="centroid"``) runs there; other selectors rank the pages their own way and the plan
 selects and attends. The token-major references (:func:`~kvlocks.selection.selectors.choose_pages`)
-run left-padded batches (a token mask), per-head selectors, hierarchical scoring
-(``group_pages``) and ``backend="torch"``. ``LocksCache(..., backend="cpu" | "triton")`` forces a
+run left-padded batches (a token mask), per-head selectors and ``backend="torch"``. ``LocksCache(..., backend="cpu" | "triton")`` forces a
 plan backend (tests run ``"triton"`` on the CPU through ``TRITON_INTERPRET=1``). Hybrid models:
 sliding-window layers keep transformers' own window attention, only global layers are sparse
 (:mod:`.window`).
@@ -42,8 +41,8 @@ def method_names() -> tuple[str, ...]:
 
 def kernel_path(selector, config: LocksConfig, head_dim: int) -> bool:
     """Whether a decode step of this (selector, config, head_dim) on CUDA tensors runs the plan's
-    Triton backend; otherwise the plan's ``cpu`` backend or, for per-head selectors and hierarchical
-    scoring, the references (:func:`.step.plan_backend`)."""
+    Triton backend; otherwise the plan's ``cpu`` backend or, for per-head selectors, the references
+    (:func:`.step.plan_backend`)."""
     return plan_backend(None, selector, config, head_dim, "cuda") == "triton"
 
 
@@ -151,7 +150,7 @@ class LocksLayer(DynamicLayer):
         if backend is not None:  # the decode plan over a paged view of the store
             return plan_decode(self, q, key, scaling, backend).reshape(b, hq, d).unsqueeze(1)
         view = LayerView(keys=key, summaries=self.store.summaries, token_mask=token_mask, scale=scaling,
-                         layer=self.layer_idx, groups=self.store.groups)
+                         layer=self.layer_idx)
         pages = choose_pages(q, view, self.owner.config, self.owner.selector)  # [B, Hkv, K] ([B, Hkv, G, K] per head)
         s = self.owner.config.page_size
         if getattr(self.owner.selector, "per_head", False):  # each query head reads its own pages
@@ -182,7 +181,7 @@ class LocksCache(Cache):
     ----------
     model_config : the model's ``PretrainedConfig`` (for the number of layers)
     method : ``"full"`` (dense attention), a selector name (``"locks"``, ``"oracle"``, ...), a mode
-        of ``locks`` (``"locks_rerank"``, ``"locks_centroid"``, ``"locks_hier"``:
+        of ``locks`` (``"locks_flat"``, ``"locks_rerank"``, ``"locks_centroid"``:
         :data:`kvlocks.config.METHOD_MODES`) or a selector instance (e.g. ``LokiSelector(calibration)``)
     config : LocksConfig, run as given. None: ``method_config(method)`` (the mode's settings). With
         a mode name the config must be in that mode (ValueError otherwise; build it with
@@ -274,16 +273,12 @@ class LocksCache(Cache):
             sel = hkv * self.selector.selection_bytes(self.config, d, elem, n // s)
         elif self.layers[layer].store.summaries is None:  # no full page yet: nothing to score
             sel = 0.0
-        else:  # every page summary; hierarchical: every group summary and the candidates' page summaries
-            store, read, groups = self.layers[layer].store, n // s, 0
-            if self.config.group_pages and isinstance(self.selector, LocksSelector) and store.groups is not None:
-                ng, m = store.groups.num_pages, self.config.group_pages
-                read += (self.config.groups_kept(ng) - ng) * m  # the unkept groups' pages are not read
-                groups = ng * sum(store.groups.bytes_per_page())
+        else:  # every page summary
+            store = self.layers[layer].store
             per_page = sum(store.summaries.bytes_per_page())
             if self.config.rerank_scores == "centroid":  # the centroids only: int8 and a float16 scale, or float16
                 per_page = d * self.config.coef_bits // 8 + 2 * (self.config.coef_bits == 8)
-            sel = hkv * (read * per_page + groups)
+            sel = hkv * (n // s) * per_page
         if self.selector is not None and reranks(self.config, self.selector):
             pc = n // s  # the re-rank reads the keys of its candidates and of the forced full pages
             exact = min(pc, self.config.rerank_candidates(pc) + self.config.sink_pages + self.config.recent_pages)

@@ -29,11 +29,11 @@ NEG_INF = float("-inf")
 
 def plan_backend(backend: str | None, selector, config: LocksConfig, head_dim: int, device) -> str | None:
     """The plan backend of a decode step over keys of ``head_dim`` on ``device``, or None for the
-    token-major references (``backend="torch"``, a per-head selector, hierarchical scoring).
+    token-major references (``backend="torch"``, a per-head selector).
 
     ``backend`` None: ``"triton"`` for CUDA keys with a configuration the kernels support
     (:func:`kvlocks.kernels_support.kernel_support`), else ``"cpu"`` (batched PyTorch, any device)."""
-    if backend == "torch" or getattr(selector, "per_head", False) or config.group_pages:
+    if backend == "torch" or getattr(selector, "per_head", False):
         return None
     if backend is not None:
         return backend
@@ -110,8 +110,7 @@ def plan_decode(layer, q: torch.Tensor, key: torch.Tensor, scale: float, backend
             summ, stable = summary_view(store.summaries, width)
             out, _ = plan.run(qr, kc, vc, summ, table, seq, summary_table=stable)
     else:  # the selector's own scores; the plan selects (and re-ranks) and attends
-        view = LayerView(keys=key, summaries=store.summaries, token_mask=None, scale=scale, layer=layer.layer_idx,
-                         groups=store.groups)
+        view = LayerView(keys=key, summaries=store.summaries, token_mask=None, scale=scale, layer=layer.layer_idx)
         ranking, scores = rank_pages(q, view, cfg, selector)  # [B, Hkv, Pc], [B, Hkv, G, Pc] or None
         ranking = _widen(ranking.reshape(rows, 1, pc), width)
         scores = None if scores is None else _widen(scores.reshape(rows, 1, g, pc), width)

@@ -46,16 +46,14 @@ def register() -> None:
         return
     from kvlocks.integrations.vllm import compat
     from kvlocks.integrations.vllm.cuda import compat as cuda_compat
-    from kvlocks.kernels_support import check_config, check_plan
+    from kvlocks.kernels_support import check_config
 
     check_config(config, None, backend="torch", owner=ENV_VAR)  # the summary store's format, naming the fields
     if compat.is_cpu_platform():
-        check_plan(config, owner=ENV_VAR)  # the CPU backend runs the decode plan too
         compat.register_cpu_backend()
         entry = "CPU_ATTN"
     elif cuda_compat.is_cuda_platform():
         check_config(config, None, backend="triton", owner=ENV_VAR)  # what the CUDA kernels support
-        check_plan(config, owner=ENV_VAR)
         cuda_compat.register_cuda_backend()
         entry = "FLASH_ATTN"
     else:
