@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# Before and after a change, in one device call: `kvlocks bench kernels|e2e` of two source
-# snapshots on the same GPU, then their comparison.
+# `kvlocks bench kernels|e2e` of two source snapshots (a baseline and a candidate commit) on the
+# same GPU in one command, then their comparison.
 #
 #   bash scripts/gpu/before_after.sh OUT BEFORE.tar AFTER.tar kernels|e2e [kvlocks bench options]
 #
 # BEFORE.tar, AFTER.tar: `git archive COMMIT src lab -o FILE` of each commit (`src` alone where the
-# commit has no lab folder), carried to the device
-# (random weights: nothing needs staging). Each snapshot runs from its own folder; the rows go to
-# OUT/before/<which>/ and OUT/after/<which>/ (logs OUT/bench_<side>_<which>.txt), and
-# OUT/compare_<which>.json holds after / before per case and the cases slower by more than 3 %
-# (scripts/analysis/compare_bench.py). TIMEOUT_S: each run's limit in seconds (default 270, so the
-# two fit one 600 s device command).
+# commit has no lab folder), copied to the GPU machine (random weights: nothing needs staging).
+# Each snapshot runs from its own folder; the rows go to OUT/before/<which>/ and OUT/after/<which>/
+# (logs OUT/bench_<side>_<which>.txt), and OUT/compare_<which>.json holds after / before per case
+# and the cases slower by more than 3 % (scripts/analysis/compare_bench.py). TIMEOUT_S: each run's
+# limit in seconds (default 270, so the two fit one 600 s command).
 set -u
 usage="usage: before_after.sh OUT BEFORE.tar AFTER.tar kernels|e2e [kvlocks bench options]"
 out=${1:?$usage}
