@@ -144,3 +144,26 @@ def test_hf_cache_runs_the_selector_on_the_plan_as_the_reference_does():
     assert cache.stats.selection_bytes == 2 * (2 * page + 5 * group)  # Hkv = 2
     assert "locks_hier" in method_names() and isinstance(get_selector("locks_hier"), HierSelector)
     assert method_config("locks_hier", LocksConfig(budget=64)).rerank == 0  # a baseline: no default re-rank
+
+
+def test_a_layers_group_summaries_are_built_once_and_again_only_when_their_keys_change():
+    """The selector keeps a layer's group summaries: over appended keys, a changed early key and a
+    new batch shape its rankings equal a fresh selector's, which builds every group from the keys."""
+    gen = torch.Generator().manual_seed(5)
+    d, g = 32, 2
+    keys, q = torch.randn(2, 2, 16 * 40, d, generator=gen), torch.randn(2, 2, g, d, generator=gen)
+    cfg, groups = LocksConfig(budget=48, rank=4, rerank=0), Groups(pages=4, keep=1)
+    kept = HierSelector(groups)
+    for n, change in ((16 * 17, None), (16 * 25 + 3, None), (16 * 33, None), (16 * 33, 70), (16 * 40, None)):
+        k = keys[..., :n, :].clone()
+        if change is not None:
+            keys[1, 0, change] += 1.0  # group 1 of row (1, 0): it and every later group are built again
+            k = keys[..., :n, :].clone()
+        view = LayerView(keys=k, summaries=build_summaries(k[..., : n // S * S, :].unflatten(-2, (n // S, S)), cfg),
+                         token_mask=None, scale=d ** -0.5, layer=3)
+        for got, want in zip(kept.rank_pages(q, view, cfg), HierSelector(groups).rank_pages(q, view, cfg)):
+            assert torch.equal(got, want), n
+    one = LayerView(keys=k[:1], summaries=view.summaries.index_lead(torch.tensor([0])), token_mask=None,
+                    scale=d ** -0.5, layer=3)
+    for got, want in zip(kept.rank_pages(q[:1], one, cfg), HierSelector(groups).rank_pages(q[:1], one, cfg)):
+        assert torch.equal(got, want)

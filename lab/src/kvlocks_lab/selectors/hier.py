@@ -17,9 +17,11 @@ mass with the same error analysis as a page's (Theorem 1 with the group's tail e
 When the budget covers the context every page is selected, as in flat LOCKS. A research selector:
 measured against flat LOCKS on the task suite, the group summaries blur needles that page
 summaries keep (docs/evaluation.md), so the product's way to read fewer summaries at long contexts
-is the two-tier centroid mode (``LocksConfig.rerank_scores="centroid"``). This reference builds
-the group summaries from ``view.keys`` at every step; the byte accounting counts what a cache that
-keeps them would read (every group summary and the candidates' page summaries).
+is the two-tier centroid mode (``LocksConfig.rerank_scores="centroid"``). The selector builds the
+group summaries from ``view.keys`` and keeps each layer's with the keys they were built from: a
+group is built again only when its keys changed (compared exactly), so a decode step builds the
+groups its new tokens filled. The byte accounting counts what a step reads (every group summary and
+the candidates' page summaries).
 """
 
 from __future__ import annotations
@@ -102,11 +104,12 @@ def hierarchical_ranking(page_scores: torch.Tensor, group_scores: torch.Tensor, 
 
 
 def hierarchical_page_scores(queries: torch.Tensor, keys: torch.Tensor, summaries: PageSummaries,
-                             config: LocksConfig, groups: Groups, *, scale: float,
-                             token_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+                             config: LocksConfig, groups: Groups, *, scale: float, token_mask=None,
+                             built: PageSummaries | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(page_scores [..., G, Pc], group_scores [..., G, NG])`` for :func:`hierarchical_ranking`,
-    from the page summaries and group summaries built from ``keys [..., N, D]``."""
-    gs = group_summaries(keys, config, groups)
+    from the page summaries and the group summaries of ``keys [..., N, D]`` (``built``, or built
+    here when None)."""
+    gs = group_summaries(keys, config, groups) if built is None else built
     size = groups.pages * config.page_size
 
     def mask(pages: int, tokens: int):
@@ -130,6 +133,7 @@ class HierSelector:
 
     def __init__(self, groups: Groups | None = None) -> None:
         self.groups = Groups() if groups is None else groups
+        self._kept: dict = {}  # (layer, group config) -> (the full groups' keys, their summaries)
 
     def page_scores(self, queries, view, config):
         """The candidates' Eq. 4 page scores, ``-inf`` for the pages of the groups not kept."""
@@ -137,8 +141,34 @@ class HierSelector:
 
     def rank_pages(self, queries, view, config):
         pages, groups = hierarchical_page_scores(queries, view.keys, view.summaries, config, self.groups,
-                                                 scale=view.scale, token_mask=view.token_mask)
+                                                 scale=view.scale, token_mask=view.token_mask,
+                                                 built=self._group_summaries(view, config))
         return hierarchical_ranking(pages, groups, config, self.groups)
+
+    def _group_summaries(self, view, config: LocksConfig) -> PageSummaries:
+        """The group summaries of ``view.keys``: the layer's kept ones for the leading groups whose
+        keys are unchanged, built for the rest."""
+        gcfg = self.groups.config(config)
+        size = gcfg.page_size
+        ng = view.keys.shape[-2] // size
+        full = view.keys[..., : ng * size, :]
+        key = (view.layer, gcfg)
+        done, kept = 0, self._kept.get(key)
+        if kept is not None and kept[0].shape[:-2] == full.shape[:-2] and kept[0].dtype == full.dtype \
+                and kept[0].device == full.device:
+            m = min(kept[0].shape[-2], full.shape[-2]) // size
+            same = (kept[0][..., : m * size, :] == full[..., : m * size, :]).unflatten(-2, (m, size))
+            same = same.all(-1).all(-1).reshape(-1, m).all(0)  # [m]: the group's keys equal in every row
+            done = m if bool(same.all()) else int((~same).nonzero()[0])
+        if done == 0:
+            summ = group_summaries(full, config, self.groups)
+        else:
+            summ = kept[1].select_pages(slice(0, done))
+            if ng > done:
+                summ = summ.cat(build_summaries(full[..., done * size :, :].float().unflatten(-2, (ng - done, size)),
+                                                gcfg))
+        self._kept[key] = (full.clone(), summ)
+        return summ
 
     def selection_bytes(self, config: LocksConfig, head_dim: int, elem_size: int, full_pages: int) -> float:
         """Per step and KV head: every full group's summary and the candidates' page summaries."""

@@ -6,8 +6,9 @@ configuration (:func:`kvlocks.kernels_support.kernel_support`), otherwise its ``
 (batched PyTorch, any device). Every mode of the configuration (flat, ``rerank``,
 ``rerank_scores="centroid"``) runs there; other selectors rank the pages their own way and the plan
 selects and attends. The token-major references (:func:`~kvlocks.selection.selectors.choose_pages`)
-run left-padded batches (a token mask), per-head selectors and ``backend="torch"``. ``LocksCache(..., backend="cpu" | "triton")`` forces a
-plan backend (tests run ``"triton"`` on the CPU through ``TRITON_INTERPRET=1``). Hybrid models:
+run left-padded batches (a token mask), per-head selectors and ``backend="torch"``.
+``LocksCache(..., backend="cpu" | "triton")`` forces a plan backend (tests run ``"triton"`` on the
+CPU through ``TRITON_INTERPRET=1``). Hybrid models:
 sliding-window layers keep transformers' own window attention, only global layers are sparse
 (:mod:`.window`).
 """
@@ -29,7 +30,7 @@ from kvlocks.selection.rerank import DEFAULT_RERANK  # noqa: F401  (re-exported)
 from kvlocks.plan import PLAN_BACKENDS
 from kvlocks.scoring.cpu import ScoringBuffers
 from kvlocks.attention.per_head import distinct_pages, sparse_decode_per_head
-from kvlocks.selection.selectors import LayerView, LocksSelector, Selector, choose_pages, get_selector, reranks
+from kvlocks.selection.selectors import LayerView, Selector, choose_pages, get_selector, reranks
 
 METHODS = ("full", *METHOD_MODES)  # plus every registered selector name, see method_names()
 
