@@ -154,7 +154,8 @@ def test_a_layers_group_summaries_are_built_once_and_again_only_when_their_keys_
     keys, q = torch.randn(2, 2, 16 * 40, d, generator=gen), torch.randn(2, 2, g, d, generator=gen)
     cfg, groups = LocksConfig(budget=48, rank=4, rerank=0), Groups(pages=4, keep=1)
     kept = HierSelector(groups)
-    for n, change in ((16 * 17, None), (16 * 25 + 3, None), (16 * 33, None), (16 * 33, 70), (16 * 40, None)):
+    steps = ((16 * 3, None), (16 * 17, None), (16 * 25 + 3, None), (16 * 33, None), (16 * 33, 70), (16 * 40, None))
+    for n, change in steps:  # the first has no full group yet
         k = keys[..., :n, :].clone()
         if change is not None:
             keys[1, 0, change] += 1.0  # group 1 of row (1, 0): it and every later group are built again

@@ -154,9 +154,9 @@ class HierSelector:
         full = view.keys[..., : ng * size, :]
         key = (view.layer, gcfg)
         done, kept = 0, self._kept.get(key)
-        if kept is not None and kept[0].shape[:-2] == full.shape[:-2] and kept[0].dtype == full.dtype \
+        m = 0 if kept is None else min(kept[0].shape[-2], full.shape[-2]) // size
+        if m and kept[0].shape[:-2] == full.shape[:-2] and kept[0].dtype == full.dtype \
                 and kept[0].device == full.device:
-            m = min(kept[0].shape[-2], full.shape[-2]) // size
             same = (kept[0][..., : m * size, :] == full[..., : m * size, :]).unflatten(-2, (m, size))
             same = same.all(-1).all(-1).reshape(-1, m).all(0)  # [m]: the group's keys equal in every row
             done = m if bool(same.all()) else int((~same).nonzero()[0])
