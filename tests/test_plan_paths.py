@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from kvlocks.cache.layout import SummaryStore  # noqa: E402
 from kvlocks.config import LocksConfig  # noqa: E402
-from kvlocks.plan import DecodePlan, paged_build, paged_score, sparse_rows  # noqa: E402
+from kvlocks.plan import DecodePlan, paged_build, paged_score, sparse_lens, sparse_rows  # noqa: E402
 from kvlocks.scoring.cpu import ScoringBuffers  # noqa: E402
 from kvlocks.scoring.reference import combine_group, score_pages_from_summaries  # noqa: E402
 from kvlocks.selection.topk import select_top_pages  # noqa: E402
@@ -230,3 +230,67 @@ def test_hf_cache_kernel_options_reach_its_plans_and_builds(monkeypatch):
     assert plan.options is opts and solvers == ["lean"]
     with pytest.raises(ValueError, match="kernel_options"):
         _hf_layer("locks", LocksConfig(), None, kernel_options={"pdl": False})
+
+
+def test_sparse_rows_leave_rows_up_to_the_crossover_dense():
+    qlen = torch.tensor([1, 1, 1, 1])
+    lens = torch.tensor([300, 150, 151, 65])  # pages 19, 10, 10, 5 against k = 4
+    got = sparse_rows(qlen, lens, page_size=16, k=4, dense_below=150)
+    assert got.tolist() == [True, False, True, False]
+    assert sparse_lens(got, lens.to(torch.int32)).tolist() == [300, 0, 151, 0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_rows_with_no_sparse_length_get_exact_attention(mode, backend):
+    """``run(..., sparse_lens=...)``: rows marked 0 are neither scored nor selected (pages -1) and
+    equal exact dense attention over their tokens; the other rows keep the pages and outputs of
+    the run without ``sparse_lens``."""
+    from kvlocks.attention.reference import dense_decode
+    from kvlocks.cache.layout import paged_to_token_major
+
+    cfg = LocksConfig(budget=64, **MODES[mode])
+    q, k, v, table, seq = paged([300, 100, 200, 30], 2, 4, 64, seed=9)
+    store = store_of(k, table, seq, cfg)
+    sel = sparse_lens(sparse_rows(torch.ones(4, dtype=torch.int32), seq, page_size=S, k=4, dense_below=150), seq)
+    assert sel.tolist() == [300, 0, 200, 0]
+    whole = plan_for(backend, cfg, q, k, table)
+    out_w, _ = whole.run(q, k, v, store, table, seq)
+    plan = plan_for(backend, cfg, q, k, table, dense_tokens=160)
+    out, lse = plan.run(q, k, v, store, table, seq, sparse_lens=sel)
+    for b in (0, 2):
+        assert torch.equal(plan.pages[b].cpu(), whole.pages[b].cpu())
+        assert torch.allclose(out[b], out_w[b], atol=1e-5)
+    for b in (1, 3):
+        assert (plan.pages[b] == -1).all()
+        n = int(seq[b])
+        ref, ref_lse = dense_decode(q[b].view(2, 4, 64).cpu(), paged_to_token_major(k.cpu(), table[b].cpu(), n),
+                                    paged_to_token_major(v.cpu(), table[b].cpu(), n))
+        assert torch.allclose(out[b].cpu(), ref.reshape(8, 64), atol=1e-5)
+        assert torch.allclose(lse[b].cpu(), ref_lse.reshape(8), atol=1e-5)
+
+
+def test_dense_rows_longer_than_the_launch_is_sized_for_are_attended_whole():
+    """The split-KV kernel's dense rows: several programs per row, and a row longer than the
+    workspace's ``dense_pages`` still covered whole (fewer programs per page), against exact dense
+    attention; a row with a sparse length attends only its page list."""
+    from kvlocks.attention.reference import dense_decode, sparse_decode
+    from kvlocks.attention.triton import attention_workspace, paged_decode
+    from kvlocks.cache.layout import paged_to_token_major
+
+    q, k, v, table, seq = paged([520, 200, 33], 2, 3, 32, seed=4)
+    lists = torch.full((3, 2, 3), -1, dtype=torch.int32, device=DEV)
+    lists[0, :, :3] = torch.tensor([0, 9, 32], dtype=torch.int32)
+    sel = torch.tensor([520, 0, 0], dtype=torch.int32, device=DEV)
+    ws = attention_workspace(3, 6, 32, 3, 1, q.dtype, q.device, dense_pages=8)  # rows=1: several programs
+    assert ws.dense_splits > 1 and ws.dense_splits * ws.pps < 13  # row 1 (13 pages) exceeds the sizing
+    out, lse = paged_decode(q, k, v, table, seq, lists, workspace=ws, sparse_lens=sel)
+    for b in range(3):
+        n = int(seq[b])
+        keys = paged_to_token_major(k.cpu(), table[b].cpu(), n)
+        vals = paged_to_token_major(v.cpu(), table[b].cpu(), n)
+        if b == 0:
+            ref, _ = sparse_decode(q[b].view(2, 3, 32).cpu(), keys, vals, lists[b].long().cpu(), S)
+        else:
+            ref, _ = dense_decode(q[b].view(2, 3, 32).cpu(), keys, vals)
+        assert torch.allclose(out[b].cpu(), ref.reshape(6, 32), atol=1e-5)

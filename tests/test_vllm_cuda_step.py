@@ -4,6 +4,7 @@ on the keys each row owns). The Triton kernels run in the interpreter (``TRITON_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -13,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from kvlocks.attention.reference import sparse_decode  # noqa: E402
+from kvlocks.attention.reference import dense_decode, sparse_decode  # noqa: E402
 from kvlocks.cache.layout import SummaryStore  # noqa: E402
 from kvlocks.config import LocksConfig  # noqa: E402
 from kvlocks.integrations.vllm.cuda.compat import split_flash_kv_cache  # noqa: E402
@@ -37,6 +38,9 @@ def test_step_lens_marks_long_single_token_rows():
     assert flash.dtype == locks.dtype == torch.int32
     _, _, locks = step_lens(qsl, torch.tensor([64, 65, 0, 80, 0], dtype=torch.int32), 16, 4)
     assert locks.tolist() == [0, 65, 0, 80, 0]  # 4 pages fit k = 4; 5 pages do not
+    sparse, flash, locks = step_lens(qsl, torch.tensor([300, 65, 0, 80, 0], dtype=torch.int32), 16, 4, 80)
+    assert sparse.tolist() == [True, False, False, False, False]  # 80 tokens: at the crossover, dense
+    assert flash.tolist() == [1, 65, 0, 80, 0] and locks.tolist() == [300, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("cap", [1, 2, 8, 16])
@@ -53,7 +57,7 @@ def test_plan_pool_cap_follows_budget():
     """Plans of every power of two up to the cap fit the budget; a batch runs as chunks of them."""
     from kvlocks.integrations.vllm.cuda.step import _tensor_bytes
 
-    shape = (HKV, G, D, 64, 0.125, torch.float32, torch.device("cpu"), CFG, "triton")
+    shape = (HKV, G, D, 64, 0.125, torch.float32, torch.device("cpu"), CFG, "triton", 0)
     assert PlanPool(budget_bytes=1 << 40, max_rows=8).cap(shape) == 8
     per_row = _tensor_bytes(PlanPool()._make(shape, 1))
     assert per_row > 0
@@ -213,6 +217,33 @@ def test_uniform_decode_step_attends_every_row(backend):
     assert dec.eager_steps == 1 and dec.store.builds == 6 + 2 + 5 + 8  # every full page of every row, once
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_below_the_crossover_attend_every_page(backend):
+    """A uniform decode step with ``dense_below`` 100: rows n = 100 and 90 (over the budget, under the
+    crossover) get exact attention over all their pages, row n = 40 (fits the budget) too, and row
+    n = 129 the token-major reference's selected pages; the plans are sized for the crossover."""
+    raw, keys, values, blocks, lens, qsl, dec, step, query, output = _batch(backend, [100, 40, 90, 129])
+    dec.dense_below = 100
+    sparse, _, locks = step_lens(qsl, lens, S, CFG.pages_per_step, dec.dense_below)
+    assert sparse.tolist() == [False, False, False, True]
+    step = dataclasses.replace(step, sparse=sparse, locks_lens=locks)
+    dec.run(step, query, keys, values, output, captured=False)
+    for r in range(4):
+        ref, pages = _reference_row(raw, blocks[r].tolist(), int(lens[r]), query[r], D ** -0.5)
+        if r == 3:
+            assert pages.shape[-1] == CFG.pages_per_step
+        else:  # every page: dense attention
+            slots = _slots(blocks[r].tolist(), int(lens[r]))
+            k = raw[slots // S, slots % S, :, :D].transpose(0, 1).float()
+            v = raw[slots // S, slots % S, :, D:].transpose(0, 1).float()
+            ref, _ = dense_decode(query[r].view(HKV, G, D).float(), k, v, scale=D ** -0.5)
+            ref = ref.reshape(HKV * G, D)
+        torch.testing.assert_close(output[r], ref, atol=2e-5, rtol=2e-5)
+    plan = dec.pool.get(dec.shape(step.block_table.shape[1], query.dtype, query.device), 4, create=False)
+    if backend == "triton":
+        assert plan.attend_ws.dense_splits >= plan.attend_ws.splits
+
+
 @pytest.mark.parametrize("backend", ["triton"])  # captured steps run the Triton kernels only (CUDA)
 def test_captured_step_builds_the_filled_page_and_matches_eager(backend, tmp_path):
     """An eager step, then a captured one in which rows 0 and 3 fill a page (n = 112, 144): both give the
@@ -301,7 +332,7 @@ def test_plan_pool_takes_the_plugins_kernel_options(monkeypatch):
     from kvlocks.integrations.vllm.settings import ENV_VAR
 
     monkeypatch.setenv(ENV_VAR, json.dumps({"budget": 64, "kernels": {"score_kernel": "packed", "pdl": False}}))
-    shape = (HKV, G, D, 64, 0.125, torch.float32, torch.device("cpu"), CFG, "torch")
+    shape = (HKV, G, D, 64, 0.125, torch.float32, torch.device("cpu"), CFG, "torch", 0)
     plan = PlanPool().get(shape, 1)
     assert plan.options == KernelOptions(score_kernel="packed", pdl=False)
     own = KernelOptions(score_kernel="mma", pdl=False)

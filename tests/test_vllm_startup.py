@@ -25,6 +25,8 @@ CFG = LocksConfig(budget=256)
     ('{"budget": 16}', "budget=16"),                      # one page: under the two pages required
     ('{"budget": 2050}', "multiple of page_size"),
     ('{"budget": 2048, "strict": "yes"}', "allowed true or false"),
+    ('{"budget": 2048, "dense_below": -1}', r"dense_below.*\"auto\" or an integer >= 0"),
+    ('{"budget": 2048, "dense_below": "short"}', r"dense_below.*\"auto\" or an integer >= 0"),
 ])
 def test_malformed_config_is_refused_naming_the_variable(text, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -38,6 +40,21 @@ def test_config_round_trip_with_and_without_strict():
     text = settings.to_text(CFG, settings.PluginSettings(strict=True))
     assert settings.parse(text) == (CFG, settings.PluginSettings(strict=True))
     assert "strict" not in settings.to_text(CFG, settings.PluginSettings())
+    text = settings.to_text(CFG, settings.PluginSettings(dense_below=0))
+    assert settings.parse(text) == (CFG, settings.PluginSettings(dense_below=0))
+    assert "dense_below" not in settings.to_text(CFG, settings.PluginSettings())
+
+
+def test_dense_below_resolves_by_platform_and_head_shape():
+    """An integer is kept on both platforms; "auto" is 0 on CPU and, on CUDA, the crossover of the
+    head shape's K/V width: 2 x 128 (GLM-4-9B) 56K tokens, 8 x 128 (Llama-3.1-8B) 36K."""
+    r = settings.resolve_dense_below
+    assert r(4096, cuda=True, num_kv_heads=8, head_dim=128) == r(4096, cuda=False, num_kv_heads=8, head_dim=128) == 4096
+    assert r("auto", cuda=False, num_kv_heads=2, head_dim=128) == 0
+    assert r("auto", cuda=True, num_kv_heads=2, head_dim=128) == 57344
+    assert r("auto", cuda=True, num_kv_heads=4, head_dim=128) == 49152
+    assert r("auto", cuda=True, num_kv_heads=8, head_dim=128) == 36864
+    assert settings.PluginSettings().dense_below == "auto"
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -48,14 +48,35 @@ def resolve_backend(backend: str | None, device) -> str:
     return backend
 
 
-def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, k: int) -> torch.Tensor:
+def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, k: int,
+                dense_below: int = 0) -> torch.Tensor:
     """bool ``[B]``: the rows that decode sparsely, a single query token (a decode step) over more
-    pages than a step attends (``ceil(seq_lens / S) > k``, ``k = LocksConfig.pages_per_step``); the
-    others read every page, which is what the selection would keep, so any dense kernel serves them.
+    pages than a step attends (``ceil(seq_lens / S) > k``, ``k = LocksConfig.pages_per_step``) and
+    more than ``dense_below`` tokens (the path's crossover with dense attention,
+    :func:`kvlocks.config.resolve_dense_below`); the others read every page: exact attention.
 
     query_lens, seq_lens : int ``[B]`` (tokens queried at this step; tokens in the sequence)
     """
-    return (query_lens == 1) & (num_pages(seq_lens, page_size) > k)
+    return (query_lens == 1) & (num_pages(seq_lens, page_size) > k) & (seq_lens > dense_below)
+
+
+def sparse_lens(sparse: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B]``: ``seq_lens`` on the rows that decode sparsely (``sparse``, :func:`sparse_rows`),
+    0 on the others: what :meth:`DecodePlan.run` scores and selects."""
+    return torch.where(sparse, seq_lens, torch.zeros_like(seq_lens)).to(torch.int32)
+
+
+def dense_page_lists(pages: torch.Tensor, seq_lens: torch.Tensor, sparse_lens: torch.Tensor, width: int,
+                     page_size: int) -> torch.Tensor:
+    """int32 ``[B, Hkv, max(k, width)]``: the selected ``pages [B, Hkv, k]`` on rows whose
+    ``sparse_lens`` is nonzero, every page ``0 .. ceil(seq_len / S) - 1`` on the others; -1 padded."""
+    bsz, hkv, k = pages.shape
+    w = max(k, width)
+    ids = torch.arange(w, dtype=torch.int32, device=pages.device)
+    every = torch.where(ids < num_pages(seq_lens, page_size)[:, None], ids, -1)  # [B, w]
+    listed = torch.full((bsz, hkv, w), -1, dtype=torch.int32, device=pages.device)
+    listed[..., :k] = pages
+    return torch.where((sparse_lens == 0)[:, None, None], every[:, None, :].expand(bsz, hkv, w), listed)
 
 
 def paged_score(queries, summaries: SummaryStore, block_table, seq_lens, *, scale=None, combine="mean_share",
@@ -250,10 +271,13 @@ class DecodePlan:
     backend : one of :data:`PLAN_BACKENDS` or None (:func:`resolve_backend`)
     options : KernelOptions (None: the defaults); the attention's untuned launch is
         ``options.dense_launches[0]`` (:attr:`attend_ws`, which a tuner may replace)
+    dense_tokens : the longest row that ``run(..., sparse_lens=...)`` attends over every page, for
+        sizing the attention's launch (0: sized for the page lists; longer rows are still attended
+        whole, by fewer programs per page)
     """
 
     def __init__(self, *, batch, num_kv_heads, group, head_dim, max_pages, config: LocksConfig, dtype, device,
-                 scale=None, backend=None, options: KernelOptions | None = None):
+                 scale=None, backend=None, options: KernelOptions | None = None, dense_tokens: int = 0):
         self.config, self.backend = config, resolve_backend(backend, device)
         if self.backend != "cpu":  # the cpu backend also scores summaries of any bit widths
             check_config(config, head_dim, backend=self.backend)
@@ -276,7 +300,8 @@ class DecodePlan:
                 self.score_ws = score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim)
             self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device)
             self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
-                                                 launch=self.options.dense_launches[0])
+                                                 launch=self.options.dense_launches[0],
+                                                 dense_pages=num_pages(dense_tokens, config.page_size))
             if config.rerank:  # the fused selection picks the candidates: k' = M + sink + recent pages
                 from kvlocks.selection.triton_rerank import rerank_workspace
 
@@ -285,64 +310,83 @@ class DecodePlan:
                 self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
                 self.exact_ws = rerank_workspace(batch, num_kv_heads, group, self.k_cand, self.k, device)
 
-    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None, *, summary_table=None):
+    def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None, *, summary_table=None,
+            sparse_lens=None):
         """queries ``[B, Hq, D]`` -> (out ``[B, Hq, D]``, lse ``[B, Hq]``); also sets ``self.pages``
         (int32 ``[B, Hkv, k]`` logical pages, -1 padded).
 
         ``out``: where to write the attention (``[B, Hq, D]``, last dim contiguous; default a plan
         buffer). ``summary_table``: int32 ``[B, >= max full pages]``, the physical summary page of
         each logical page where the summaries are numbered apart from the K/V pages (default
-        ``block_table``)."""
+        ``block_table``). ``sparse_lens``: int32 ``[B]``, ``seq_lens`` on the rows that decode
+        sparsely and 0 on the rows attended over every page (:func:`sparse_lens`): those are
+        neither scored nor selected (their ``pages`` are -1) and get exact attention; None: every
+        row is scored and selected."""
         c, be, opts = self.config, self.backend, self.options
         centroid = c.rerank_scores == "centroid"
         table_s = block_table if summary_table is None else summary_table
+        lens = seq_lens if sparse_lens is None else sparse_lens  # what the scores and the selection see
         if be == "triton":  # score kernel, then combine + selection fused in one launch
             from kvlocks.selection.fused import rank_and_select
 
             if centroid:
                 from kvlocks.scoring.triton_centroid import score_pages_centroid
 
-                score_pages_centroid(queries, summaries, table_s, seq_lens, scale=self.scale, combine=c.combine,
+                score_pages_centroid(queries, summaries, table_s, lens, scale=self.scale, combine=c.combine,
                                      workspace=self.score_ws, rank=False)
             else:
                 from kvlocks.scoring.triton import score_pages_paged
 
-                score_pages_paged(queries, summaries, table_s, seq_lens, scale=self.scale, combine=c.combine,
+                score_pages_paged(queries, summaries, table_s, lens, scale=self.scale, combine=c.combine,
                                   workspace=self.score_ws, rank=False, options=opts)
             if c.rerank:  # the same launch picks the candidates; their exact masses pick the pages
                 from kvlocks.selection.triton_rerank import rerank_pages
 
-                cand = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k_cand,
+                cand = rank_and_select(self.score_ws, lens, page_size=c.page_size, k=self.k_cand,
                                        combine=c.combine, sink_pages=c.sink_pages, recent_pages=c.recent_pages,
                                        workspace=self.rerank_ws, options=opts)
-                self.pages = rerank_pages(queries, k_cache, block_table, seq_lens, self.score_ws.scores,
+                self.pages = rerank_pages(queries, k_cache, block_table, lens, self.score_ws.scores,
                                           self.score_ws.lse, cand, c, scale=self.scale, workspace=self.exact_ws,
                                           options=opts)
             else:
-                self.pages = rank_and_select(self.score_ws, seq_lens, page_size=c.page_size, k=self.k,
+                self.pages = rank_and_select(self.score_ws, lens, page_size=c.page_size, k=self.k,
                                              combine=c.combine, sink_pages=c.sink_pages,
                                              recent_pages=c.recent_pages, workspace=self.select_ws, options=opts)
-            return self._attend(queries, k_cache, v_cache, block_table, seq_lens, out)
-        scores, _, ranking = paged_score(queries, summaries, table_s, seq_lens, scale=self.scale,
+            return self._attend(queries, k_cache, v_cache, block_table, seq_lens, out, sparse_lens)
+        scores, _, ranking = paged_score(queries, summaries, table_s, lens, scale=self.scale,
                                          combine=c.combine, backend=be, centroid=centroid)
-        return self.run_ranked(queries, k_cache, v_cache, block_table, seq_lens, ranking, scores=scores, out=out)
+        return self.run_ranked(queries, k_cache, v_cache, block_table, seq_lens, ranking, scores=scores, out=out,
+                               sparse_lens=sparse_lens)
 
-    def run_ranked(self, queries, k_cache, v_cache, block_table, seq_lens, ranking, *, scores=None, out=None):
+    def run_ranked(self, queries, k_cache, v_cache, block_table, seq_lens, ranking, *, scores=None, out=None,
+                   sparse_lens=None):
         """Select -> attend from a ranking computed elsewhere (e.g. a baseline selector's scores).
 
         ranking float32 ``[B, Hkv, W]`` (the combined score of each full page; entries past a row's
         full pages are not read); scores float32 ``[B, Hkv, G, W]`` or None: the per-head estimates
-        the exact re-rank (``config.rerank``) starts from (None: no re-rank). Same outputs as
-        :meth:`run`; allocates on every backend (not for CUDA-graph capture)."""
+        the exact re-rank (``config.rerank``) starts from (None: no re-rank); ``sparse_lens`` as in
+        :meth:`run`. Same outputs as :meth:`run`; allocates on every backend (not for CUDA-graph
+        capture)."""
         c = self.config
+        lens = seq_lens if sparse_lens is None else sparse_lens
         if c.rerank and scores is not None:
             from kvlocks.selection.rerank_paged import paged_rerank
 
-            ranking = paged_rerank(queries, k_cache, block_table, seq_lens, scores, c, scale=self.scale)
-        self.pages = paged_select(ranking, seq_lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
+            ranking = paged_rerank(queries, k_cache, block_table, lens, scores, c, scale=self.scale)
+        self.pages = paged_select(ranking, lens, page_size=c.page_size, k=self.k, sink_pages=c.sink_pages,
                                   recent_pages=c.recent_pages, backend=self.backend)
-        return self._attend(queries, k_cache, v_cache, block_table, seq_lens, out)
+        return self._attend(queries, k_cache, v_cache, block_table, seq_lens, out, sparse_lens)
 
-    def _attend(self, queries, k_cache, v_cache, block_table, seq_lens, out):
-        return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
-                            backend=self.backend, workspace=self.attend_ws, options=self.options, out=out)
+    def _attend(self, queries, k_cache, v_cache, block_table, seq_lens, out, sparse_lens=None):
+        if sparse_lens is None:
+            return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
+                                backend=self.backend, workspace=self.attend_ws, options=self.options, out=out)
+        if self.backend == "triton":
+            from kvlocks.attention.triton import paged_decode as tri
+
+            return tri(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
+                       workspace=self.attend_ws, options=self.options, out=out, sparse_lens=sparse_lens)
+        return paged_decode(queries, k_cache, v_cache, block_table, seq_lens,
+                            dense_page_lists(self.pages, seq_lens, sparse_lens, block_table.shape[1],
+                                             self.config.page_size),
+                            scale=self.scale, backend=self.backend, out=out)

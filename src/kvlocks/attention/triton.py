@@ -35,10 +35,29 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
+def _dense_pps(n_pages, dense_splits, PP: tl.constexpr):
+    """Pages per program of a row attended over every page: its pages over ``dense_splits``
+    programs, rounded up to the inner step ``PP`` (any length is covered)."""
+    return tl.cdiv(tl.cdiv(n_pages, dense_splits), PP) * PP
+
+
+@triton.jit
+def _page_ids(lst, idx, end, dense, HAS_DENSE: tl.constexpr):
+    """Logical page ids of list positions ``idx`` (-1 from ``end`` on): the listed ids, or the
+    positions themselves on a row attended over every page (``dense``; the list is not read)."""
+    inb = idx < end
+    if HAS_DENSE:
+        listed = tl.load(lst + idx, mask=inb & ((idx * 0 + dense) == 0), other=-1)  # (a tensor mask)
+        return tl.where(inb, tl.where(dense != 0, idx, listed), -1)
+    return tl.load(lst + idx, mask=inb, other=-1)
+
+
+@triton.jit
 def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, bt_ptr, stride_bt,
                  seqlen_ptr, pl_ptr, stride_lb, stride_lh, n_list, po_ptr, plse_ptr, Hkv, G, n_splits,
-                 pages_per_split, qk_scale, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-                 PP: tl.constexpr, DOT_DT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                 pages_per_split, qk_scale, sel_ptr, dense_splits, GP: tl.constexpr, D: tl.constexpr,
+                 S: tl.constexpr, PP: tl.constexpr, DOT_DT: tl.constexpr, PRECISION: tl.constexpr,
+                 HAS_DENSE: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:  # launched early (kvlocks.pdl): wait for the kernels ahead, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -58,20 +77,27 @@ def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    start = split * pages_per_split
-    end = tl.minimum(start + pages_per_split, n_list)
+    pps = pages_per_split
+    n_end = n_list
+    dense = 0  # int 0/1: whether the row attends every page instead of its page list
+    if HAS_DENSE:  # a row whose sel_ptr entry is 0 attends pages 0 .. ceil(n / S) - 1 over dense_splits programs
+        dense = (tl.load(sel_ptr + b) == 0).to(tl.int32)
+        n_pages = tl.cdiv(n, S)
+        pps = tl.where(dense != 0, _dense_pps(n_pages, dense_splits, PP), pps)
+        n_end = tl.where(dense != 0, n_pages, n_end)
+    start = split * pps
+    end = tl.minimum(start + pps, n_end)
     lst = pl_ptr + b.to(tl.int64) * stride_lb + h * stride_lh
     btr = bt_ptr + b.to(tl.int64) * stride_bt
     # page ids one step ahead: the index loads of step j+1 overlap the K/V loads of step j
-    lp = tl.load(lst + start + slot, mask=start + slot < end, other=-1)  # logical page of each token row
+    lp = _page_ids(lst, start + slot, end, dense, HAS_DENSE)  # logical page of each token row
     phys = tl.load(btr + lp, mask=lp >= 0, other=0).to(tl.int64)
     for j0 in range(start, end, PP):
         valid = (lp >= 0) & (lp * S + tok < n)
         off = phys * stride_kp + tok * stride_ks + h * stride_kh  # [PP * S]
         k = tl.load(k_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(DOT_DT)
         v = tl.load(v_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(DOT_DT)
-        nxt = j0 + PP + slot
-        lp = tl.load(lst + nxt, mask=nxt < end, other=-1)
+        lp = _page_ids(lst, j0 + PP + slot, end, dense, HAS_DENSE)
         phys = tl.load(btr + lp, mask=lp >= 0, other=0).to(tl.int64)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GP, PP * S]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -91,8 +117,9 @@ def _attn_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kp, stride_ks
 
 
 @triton.jit
-def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, Hq, n_splits, D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, Hq, n_splits, list_splits, seqlen_ptr,
+                  sel_ptr, dense_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, S: tl.constexpr, PP: tl.constexpr,
+                  HAS_DENSE: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -103,9 +130,14 @@ def _merge_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, Hq, 
     m_all = tl.full([], float("-inf"), tl.float32)
     l_all = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
+    used = list_splits  # the programs that may hold a partial of this row (the others wrote none)
+    if HAS_DENSE:
+        n_pages = tl.cdiv(tl.load(seqlen_ptr + b), S)
+        dense_used = tl.minimum(tl.cdiv(n_pages, tl.maximum(_dense_pps(n_pages, dense_splits, PP), 1)), n_splits)
+        used = tl.where(tl.load(sel_ptr + b) == 0, dense_used, used)
+    for s0 in range(0, used, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        sm = s < n_splits
+        sm = s < used
         ls = tl.load(plse_ptr + r.to(tl.int64) * n_splits + s, mask=sm, other=float("-inf"))
         o = tl.load(po_ptr + (r.to(tl.int64) * n_splits + s)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
         m_new = tl.maximum(m_all, tl.max(ls, axis=0))
@@ -139,14 +171,19 @@ class AttentionWorkspace:
 
     launch : the DenseLaunch it was sized for (pages per inner step, warps, stages; the kernel's
         step at head_dim 256 is :func:`step_pages`)
-    splits : programs per (sequence, KV head); pps : pages per split, a multiple of ``launch.ppi``
-    po, plse : float32 partials ``[B, Hq, splits, D]`` and their LSEs ``[B, Hq, splits]``
+    splits : programs per (sequence, KV head) over a page list; pps : pages per split, a multiple of
+        ``launch.ppi``
+    dense_splits : programs per (sequence, KV head) of a row attended over every page (``sparse_lens``
+        0 in :func:`paged_decode`; sized for ``dense_pages``)
+    po, plse : float32 partials ``[B, Hq, grid, D]`` and their LSEs ``[B, Hq, grid]``,
+        ``grid = max(splits, dense_splits)``
     out : ``[B, Hq, D]`` in the queries' dtype; lse : float32 ``[B, Hq]``
     """
 
     launch: DenseLaunch
     splits: int
     pps: int
+    dense_splits: int
     po: torch.Tensor
     plse: torch.Tensor
     out: torch.Tensor
@@ -160,24 +197,39 @@ def default_splits(list_len: int, rows: int, device, ppi: int) -> int:
     return max(1, min(-(-list_len // ppi), -(-4 * sms // max(rows, 1))))
 
 
+def _splits(pages: int, rows: int, device, launch: DenseLaunch) -> tuple[int, int]:
+    """``(splits, pages per split)`` over ``pages``: :func:`default_splits` times the launch's split
+    factor, pages per split a multiple of its ``ppi``."""
+    ppi = launch.ppi
+    base = default_splits(pages, rows, device, ppi)
+    splits = max(1, min(-(-pages // ppi), round(base * launch.split_factor)))
+    pps = -(-(-(-pages // splits)) // ppi) * ppi
+    return max(1, -(-pages // pps)), pps
+
+
 def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: int, rows: int, dtype, device,
-                        launch: DenseLaunch | None = None, num_splits: int | None = None) -> AttentionWorkspace:
+                        launch: DenseLaunch | None = None, num_splits: int | None = None,
+                        dense_pages: int = 0) -> AttentionWorkspace:
     """Buffers for :func:`paged_decode` with ``launch`` (default ``DenseLaunch()``) over page lists of
     ``list_len`` entries and ``rows = B * Hkv``; ``num_splits`` None: :func:`default_splits` times
-    the launch's split factor."""
+    the launch's split factor. ``dense_pages``: the pages of the longest row attended over every
+    page that the launch is sized for (0: as many programs as a list; longer rows are still
+    attended whole, by fewer programs per page)."""
     device = torch.device(device)
     launch = launch or DenseLaunch()
     ppi = launch.ppi
     if num_splits is None:
-        base = default_splits(list_len, rows, device, ppi)
-        num_splits = max(1, min(-(-list_len // ppi), round(base * launch.split_factor)))
-    pps = -(-(-(-list_len // num_splits)) // ppi) * ppi  # pages per split, a multiple of ppi
-    num_splits = max(1, -(-list_len // pps))
+        num_splits, pps = _splits(list_len, rows, device, launch)
+    else:
+        pps = -(-(-(-list_len // num_splits)) // ppi) * ppi  # pages per split, a multiple of ppi
+        num_splits = max(1, -(-list_len // pps))
+    dense_splits = _splits(dense_pages, rows, device, launch)[0] if dense_pages > list_len else num_splits
+    grid = max(num_splits, dense_splits)
     f32 = dict(dtype=torch.float32, device=device)
     return AttentionWorkspace(
-        launch=launch, splits=num_splits, pps=pps,
-        po=torch.empty(batch, num_q_heads, num_splits, head_dim, **f32),
-        plse=torch.empty(batch, num_q_heads, num_splits, **f32),
+        launch=launch, splits=num_splits, pps=pps, dense_splits=dense_splits,
+        po=torch.empty(batch, num_q_heads, grid, head_dim, **f32),
+        plse=torch.empty(batch, num_q_heads, grid, **f32),
         out=torch.empty(batch, num_q_heads, head_dim, dtype=dtype, device=device),
         lse=torch.empty(batch, num_q_heads, **f32),
     )
@@ -186,7 +238,8 @@ def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: i
 def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, page_list: torch.Tensor, *, scale: float | None = None,
                  workspace: AttentionWorkspace | None = None, options: KernelOptions | None = None,
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None,
+                 sparse_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of one decode query per head over the listed pages.
 
     Parameters
@@ -200,6 +253,9 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     options : KernelOptions (None: the defaults); ``pdl`` is read
     out : ``[B, Hq, D]`` in the queries' dtype, last dim contiguous (any row and head strides): the
         merge writes the result there instead of into the workspace's buffer
+    sparse_lens : int32 ``[B]`` or None: a row whose entry is 0 is attended over every page of its
+        ``seq_lens`` (exact attention; its page list is not read), by the workspace's
+        ``dense_splits`` programs; the other rows attend their page lists
 
     Returns
     -------
@@ -217,16 +273,25 @@ def paged_decode(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     out = ws.out if out is None else check_out(out, queries)
     pdl = pdl_enabled(queries.device, (options or default_kernel_options()).pdl)
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    _attn_kernel[(ws.splits, bsz * hkv)](
+    has_dense = sparse_lens is not None
+    if has_dense and (sparse_lens.shape != (bsz,) or sparse_lens.dtype != torch.int32):
+        raise ValueError(f"sparse_lens must be int32 [{bsz}], got {sparse_lens.dtype} {tuple(sparse_lens.shape)}")
+    grid = max(ws.splits, ws.dense_splits) if has_dense else ws.splits
+    if ws.po.shape[2] < grid:
+        raise ValueError(f"workspace holds {ws.po.shape[2]} partials per head, the launch needs {grid}")
+    sel = sparse_lens if has_dense else seq_lens
+    pp = step_pages(launch.ppi, d)
+    _attn_kernel[(grid, bsz * hkv)](
         queries, queries.stride(0), queries.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_table, block_table.stride(0), seq_lens, page_list, page_list.stride(0),
-        page_list.stride(1), n_list, ws.po, ws.plse, hkv, g, ws.splits, ws.pps, scale * LOG2E,
-        GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=step_pages(launch.ppi, d), DOT_DT=dot_dtype(k_cache.dtype),
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", PDL=pdl,
+        page_list.stride(1), n_list, ws.po, ws.plse, hkv, g, ws.po.shape[2], ws.pps, scale * LOG2E, sel,
+        ws.dense_splits, GP=max(16, triton.next_power_of_2(g)), D=d, S=s, PP=pp, DOT_DT=dot_dtype(k_cache.dtype),
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", HAS_DENSE=has_dense, PDL=pdl,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch,
     )
-    _merge_kernel[(bsz * hq,)](ws.po, ws.plse, out, out.stride(0), out.stride(1), lse, hq, ws.splits, D=d,
-                               BLOCK_S=32, PDL=pdl, num_warps=4, **pdl_launch)
+    _merge_kernel[(bsz * hq,)](ws.po, ws.plse, out, out.stride(0), out.stride(1), lse, hq, ws.po.shape[2], ws.splits,
+                               seq_lens, sel, ws.dense_splits, D=d, BLOCK_S=32, S=s, PP=pp, HAS_DENSE=has_dense,
+                               PDL=pdl, num_warps=4, **pdl_launch)
     return out, lse
 
 

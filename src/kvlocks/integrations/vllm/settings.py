@@ -12,6 +12,12 @@ The variable is one JSON object. Its ``LocksConfig`` fields (``budget``, ``rank`
   defaults): how the CUDA backend's decode plans launch their kernels, e.g.
   ``{"budget": 2048, "kernels": {"score_kernel": "packed", "pdl": false}}``.
 
+- ``"dense_below"`` (an integer >= 0 or ``"auto"``, the default): a decode row of at most this many
+  tokens attends every page (exact attention) instead of its selected pages, so that turning
+  LOCKS on never makes short requests slower than dense attention; ``0`` selects on every row
+  longer than the budget. ``"auto"``: on CUDA the crossover measured for the layer's head shape
+  (:func:`auto_dense_below`), on CPU 0.
+
 ``LocksConfig(...).to_json()`` is a valid value (no plugin keys: not strict). Every refusal is a
 ``ValueError`` naming the variable, the key or field, the value and what is allowed.
 """
@@ -34,10 +40,14 @@ class PluginSettings:
 
     strict: bool = False
     kernels: KernelOptions | None = None
+    dense_below: int | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.strict, bool):
             raise ValueError(f"${ENV_VAR}: \"strict\"={self.strict!r}: allowed true or false")
+        d = self.dense_below
+        if d != "auto" and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"${ENV_VAR}: \"dense_below\"={d!r}: allowed \"auto\" or an integer >= 0 (tokens)")
         if isinstance(self.kernels, dict):
             try:
                 object.__setattr__(self, "kernels", KernelOptions.from_json(json.dumps(self.kernels)))
@@ -78,6 +88,8 @@ def to_text(config: LocksConfig, settings: PluginSettings | None = None) -> str:
         data["strict"] = True
     if settings is not None and settings.kernels is not None:
         data["kernels"] = json.loads(settings.kernels.to_json())
+    if settings is not None and settings.dense_below != "auto":
+        data["dense_below"] = settings.dense_below
     return json.dumps(data, sort_keys=True)
 
 
@@ -85,3 +97,24 @@ def current() -> tuple[LocksConfig, PluginSettings] | None:
     """The parsed variable, or None when it is unset or empty."""
     text = env.get(ENV_VAR) or ""
     return parse(text) if text else None
+
+
+# Decode rows up to these many tokens attend densely under "auto" on CUDA, by K/V width per token
+# (KV heads x head_dim): where LOCKS's step in vLLM equals FlashAttention's at budget 2,048
+# (docs/vllm.md#dense-below-the-crossover). Wider rows pay more per token of dense attention, so
+# they cross over sooner.
+AUTO_DENSE_BELOW = ((256, 57344), (512, 49152), (None, 36864))
+
+
+def auto_dense_below(num_kv_heads: int, head_dim: int) -> int:
+    """The ``"auto"`` crossover on CUDA for a layer of ``num_kv_heads`` KV heads of ``head_dim``."""
+    width = num_kv_heads * head_dim
+    return next(tokens for top, tokens in AUTO_DENSE_BELOW if top is None or width <= top)
+
+
+def resolve_dense_below(setting: int | str, *, cuda: bool, num_kv_heads: int, head_dim: int) -> int:
+    """Tokens up to which a decode row attends densely: ``setting`` when it is an integer, else
+    :func:`auto_dense_below` on CUDA and 0 on CPU."""
+    if setting != "auto":
+        return int(setting)
+    return auto_dense_below(num_kv_heads, head_dim) if cuda else 0

@@ -56,6 +56,7 @@ class LocksCPUAttentionImpl(_StockImpl):
         self.verify = env.flag("KVLOCKS_VLLM_VERIFY")
         self.ignore_tags = env.flag("KVLOCKS_VLLM_IGNORE_TAGS")
         self.kvlocks_decision = None  # read by the layer table (layers.py)
+        self._dense_tokens: int | None = None
         self._vllm_config = compat.current_vllm_config()
         if self.locks is not None:
             self._check_engine()
@@ -114,8 +115,8 @@ class LocksCPUAttentionImpl(_StockImpl):
                                    output_scale, output_block_scale)
         step = compat.step_view(attn_metadata)
         qlen = step.query_start_loc[1:] - step.query_start_loc[:-1]  # [R]
-        sparse = sparse_rows(qlen, step.seq_lens, page_size=self.locks.page_size,
-                             k=self.locks.pages_per_step) & step.causal  # [R]
+        sparse = sparse_rows(qlen, step.seq_lens, page_size=self.locks.page_size, k=self.locks.pages_per_step,
+                             dense_below=self._dense_below()) & step.causal  # [R]
         if not bool(sparse.all()):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
@@ -123,6 +124,16 @@ class LocksCPUAttentionImpl(_StockImpl):
         if rows:
             self._locks_decode(layer, query, key, kv_cache, step, rows, output)
         return output
+
+    def _dense_below(self) -> int:
+        """Tokens up to which a decode row attends with vLLM's CPU attention (``"dense_below"``)."""
+        if self._dense_tokens is None:
+            from kvlocks.integrations.vllm.plugin import current_settings
+            from kvlocks.integrations.vllm.settings import resolve_dense_below
+
+            self._dense_tokens = resolve_dense_below(current_settings().dense_below, cuda=False,
+                                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_size)
+        return self._dense_tokens
 
     def _locks_decode(self, layer, query, key, kv_cache, step, rows, output) -> None:
         """LOCKS attention for the decode requests ``rows``; writes ``output [T, Hq, D]``."""

@@ -55,6 +55,7 @@ from kvlocks.integrations.vllm.cuda import memory
 from kvlocks.integrations.vllm.cuda.step import LocksDecoder, LocksStep, PlanPool, step_lens
 from kvlocks.integrations.vllm.cuda.store import COUNTERS
 from kvlocks.integrations.vllm.plugin import current_config, current_settings
+from kvlocks.integrations.vllm.settings import resolve_dense_below
 from kvlocks.kernels_support import KERNEL_HEAD_DIMS, KERNEL_PAGE_SIZE
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,22 @@ def _maybe_write_counters() -> None:
     if now - _counters_written[0] >= COUNTERS_EVERY_S and not cuda_compat.is_capturing():
         _counters_written[0] = now
         _write_counters(COUNTERS_PATH)
+
+
+_DENSE_LOGGED: set = set()
+
+
+def dense_below_for(num_kv_heads: int, head_dim: int) -> int:
+    """Tokens up to which a decode row of this head shape attends densely (the plugin's
+    ``"dense_below"`` setting, :func:`~kvlocks.integrations.vllm.settings.resolve_dense_below`);
+    said once per shape in the startup log."""
+    setting = current_settings().dense_below
+    tokens = resolve_dense_below(setting, cuda=True, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if (num_kv_heads, head_dim, tokens) not in _DENSE_LOGGED:
+        _DENSE_LOGGED.add((num_kv_heads, head_dim, tokens))
+        startup_log.info("kvlocks: decode rows of up to %d tokens attend every page (dense_below=%s; %d KV heads "
+                         "of %d)", tokens, json.dumps(setting), num_kv_heads, head_dim)
+    return tokens
 
 
 def report_layers(vllm_config) -> dict:
@@ -207,7 +224,8 @@ class LocksFlashAttentionImpl(_StockImpl):
         if self.decoder is None:
             self.decoder = LocksDecoder(self.locks, num_kv_heads=self.num_kv_heads, group=self.num_queries_per_kv,
                                         head_dim=self.head_size, scale=self.scale, pool=_POOL,
-                                        layer=layer_number(layer_name), sinks=getattr(self, "sinks", None))
+                                        layer=layer_number(layer_name), sinks=getattr(self, "sinks", None),
+                                        dense_below=dense_below_for(self.num_kv_heads, self.head_size))
             _DECODERS.append(weakref.ref(self.decoder))
         return self.decoder
 
@@ -316,7 +334,7 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         b = view.num_reqs
         sparse, flash_lens, locks_lens = step_lens(view.query_start_loc, view.seq_lens, self.locks.page_size,
-                                                   self.locks.pages_per_step)
+                                                   self.locks.pages_per_step, impls[0].decoder.dense_below)
         self._sparse[:b].copy_(sparse)  # persistent buffers: what a captured graph reads at replay
         self._flash_lens[:b].copy_(flash_lens)
         self._locks_lens[:b].copy_(locks_lens)

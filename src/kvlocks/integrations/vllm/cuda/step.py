@@ -1,11 +1,13 @@
 """One step of the LOCKS CUDA backend, apart from vLLM's classes: which rows decode sparsely, the
 plans, and the eager / captured decode paths (see :mod:`kvlocks.integrations.vllm.cuda.backend`).
 
-Rows. A row is a *LOCKS row* when its query is one token (a decode step) and its pages do not all
-fit the budget (``ceil(seq_len / S) > k``). In a batch of single-token decodes only (the batches
-vLLM runs in its full CUDA graphs) FlashAttention does not run: kvlocks' plans attend every row,
-the LOCKS rows over their selected pages and the others over all their pages (the selection keeps
-every page of a row that fits the budget: exact attention, kvlocks' split-KV kernel). In any other
+Rows. A row is a *LOCKS row* when its query is one token (a decode step), its pages do not all
+fit the budget (``ceil(seq_len / S) > k``) and it is longer than the crossover with dense attention
+(``"dense_below"``, :func:`kvlocks.integrations.vllm.settings.resolve_dense_below`). In a batch of
+single-token decodes only (the batches vLLM runs in its full CUDA graphs) FlashAttention does not
+run: kvlocks' plans attend every row, the LOCKS rows over their selected pages and the others over
+all their pages (``sparse_lens`` 0: neither scored nor selected; exact attention, kvlocks' split-KV
+kernel, with as many programs as a dense launch of the crossover's length). In any other
 batch (prefill, chunked prefill, mixed) vLLM's FlashAttention runs for every row, with the LOCKS
 rows' key length cut to one token (:func:`step_lens`: that output is discarded), and kvlocks'
 kernels then attend the LOCKS rows and overwrite them.
@@ -41,13 +43,15 @@ log = logging.getLogger(__name__)
 PLAN_BUDGET_ENV = "KVLOCKS_VLLM_PLAN_GIB"
 
 
-def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: int, k: int):
+def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: int, k: int, dense_below: int = 0):
     """``(sparse bool [B], flash_lens int32 [B], locks_lens int32 [B])`` for one batch.
 
-    ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``. LOCKS rows get
+    ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``; ``dense_below``: rows of at
+    most this many tokens attend densely (:func:`kvlocks.plan.sparse_rows`). LOCKS rows get
     ``flash_lens = 1`` and ``locks_lens = seq_len``; the others ``flash_lens = seq_len``, ``locks_lens = 0``.
     """
-    sparse = sparse_rows(query_start_loc[1:] - query_start_loc[:-1], seq_lens, page_size=page_size, k=k)  # [B]
+    sparse = sparse_rows(query_start_loc[1:] - query_start_loc[:-1], seq_lens, page_size=page_size, k=k,
+                         dense_below=dense_below)  # [B]
     zero = torch.zeros_like(seq_lens)
     return sparse, torch.where(sparse, zero + 1, seq_lens), torch.where(sparse, seq_lens, zero)
 
@@ -162,9 +166,10 @@ class PlanPool:
         return self._options
 
     def _make(self, shape: tuple, size: int) -> DecodePlan:
-        hkv, g, d, width, scale, dtype, device, config, backend = shape
+        hkv, g, d, width, scale, dtype, device, config, backend, dense_below = shape
         return DecodePlan(batch=size, num_kv_heads=hkv, group=g, head_dim=d, max_pages=width, config=config,
-                          dtype=dtype, device=device, scale=scale, backend=backend, options=self.options)
+                          dtype=dtype, device=device, scale=scale, backend=backend, options=self.options,
+                          dense_tokens=min(width * config.page_size, max(dense_below, config.budget)))
 
 
 class LocksDecoder:
@@ -178,12 +183,14 @@ class LocksDecoder:
     layer : decoder layer number (traces)
     backend : kernels' backend (None: Triton on CUDA)
     sinks : learned sink logits ``[Hq]`` of this layer, or None (:mod:`kvlocks.integrations.vllm.sinks`)
+    dense_below : rows of at most this many tokens attend densely (the builder's rule; sizes the plans)
     """
 
     def __init__(self, config: LocksConfig, *, num_kv_heads: int, group: int, head_dim: int, scale: float,
                  pool: PlanPool, layer: int | None = None, backend: str | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, dense_below: int = 0) -> None:
         self.config, self.hkv, self.g, self.d, self.scale = config, num_kv_heads, group, head_dim, scale
+        self.dense_below = dense_below
         self.pool, self.layer, self.backend, self.sinks = pool, layer, backend, sinks
         self.store: CudaSummaryStore | None = None
         self._store_key = None
@@ -199,7 +206,7 @@ class LocksDecoder:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         be = self.backend or ("triton" if device.type == "cuda" else "torch")
-        return (self.hkv, self.g, self.d, width, self.scale, dtype, device, self.config, be)
+        return (self.hkv, self.g, self.d, width, self.scale, dtype, device, self.config, be, self.dense_below)
 
     def bind(self, k_cache: torch.Tensor) -> CudaSummaryStore:
         """The store for this cache (``k_cache [NB, S, Hkv, D]``); a new cache gets a new store."""
@@ -249,7 +256,7 @@ class LocksDecoder:
             sl = slice(start, start + size)
             plan = self.pool.get(shape, size, create=create)
             _, lse = plan.run(query[sl], k_cache, v_cache, store.summaries, step.block_table[sl], step.seq_lens[sl],
-                              out=output[sl])
+                              out=output[sl], sparse_lens=step.locks_lens[sl])
             if self.sinks is not None:
                 apply_sinks(output[sl], lse, self.sinks)
             if trace is not None:
