@@ -57,7 +57,8 @@ from pathlib import Path
 
 CONFIGS = Path(__file__).parent / "configs"
 MODELS = ("llama3.1-8b", "glm4-9b-1m")
-BACKENDS = ("FLASH_ATTN", "LOCKS")
+BACKENDS = ("FLASH_ATTN", "LOCKS", "LOCKS_SPARSE")  # LOCKS_SPARSE: dense_below 0, every row over the budget selects
+DENSE_BELOW = {"LOCKS": "auto", "LOCKS_SPARSE": 0}
 PREFIXES = ("prefill", "connector")
 GPU_UTIL = 0.85  # leaves room for the LOCKS summaries (10% of the KV pool at D = 128) and plans
 ROUND = 16384
@@ -126,11 +127,11 @@ def _worker(spec: dict) -> list[dict]:
 
     from vllm import LLM, SamplingParams
 
-    if spec["backend"] == "LOCKS":
+    if spec["backend"] in DENSE_BELOW:
         from kvlocks.config import LocksConfig
         from kvlocks.integrations.vllm import enable
 
-        enable(LocksConfig(budget=spec["budget"]))
+        enable(LocksConfig(budget=spec["budget"]), dense_below=DENSE_BELOW[spec["backend"]])
     cells, new = spec["cells"], spec["new_tokens"]  # [[context, [batch, ...]], ...]
     max_len = max(c for c, _ in cells) + new + 16
     batches_all = sorted({b for _, bs in cells for b in bs})
@@ -170,7 +171,8 @@ def _worker(spec: dict) -> list[dict]:
             tpots = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (new - 1) for o in outs if o.metrics]
             ttfts = [o.metrics.first_token_latency for o in first if o.metrics]
             rows.append({"model": spec["model"], "backend": spec["backend"], "context": ctx, "batch": b,
-                         "new_tokens": new, "budget": spec["budget"] if spec["backend"] == "LOCKS" else None,
+                         "new_tokens": new, "budget": spec["budget"] if spec["backend"] in DENSE_BELOW else None,
+                         "dense_below": DENSE_BELOW.get(spec["backend"]),
                          "max_model_len": max_len, "tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else None,
                          "tpot_ms_per_request": [1e3 * t for t in tpots],
                          "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall,
@@ -200,7 +202,7 @@ def _prefix_counters(llm, prefix: str, backend: str) -> dict:
         out["external_prefix_cache_hits"] = None
     import torch
 
-    if backend == "LOCKS" and torch.cuda.is_available():
+    if backend in DENSE_BELOW and torch.cuda.is_available():
         try:
             from kvlocks.integrations.vllm.cuda.backend import debug_counters
 
@@ -236,7 +238,7 @@ def _profile_cell(llm, prompts, params, steps: int, backend: str) -> dict:
     from kvlocks_lab.bench.kernel_classes import kernel_times, per_step, summarize
 
     def eager_steps():
-        if backend != "LOCKS":
+        if backend not in DENSE_BELOW:
             return 0
         from kvlocks.integrations.vllm.cuda.backend import debug_counters
 
@@ -369,16 +371,18 @@ def main(argv=None) -> int:
             rows += got
             print(json.dumps([{k: r.get(k) for k in ("model", "backend", "context", "batch", "tpot_ms", "ttft_s",
                                                       "error")} for r in got]), flush=True)
-    ratios = {}
+    ratios, sparse_ratios = {}, {}
     for r in rows:
-        if r.get("backend") == "LOCKS" and r.get("tpot_ms"):
+        if r.get("backend") in DENSE_BELOW and r.get("tpot_ms"):
             base = [x for x in rows if x.get("backend") == "FLASH_ATTN" and x.get("tpot_ms") and
                     (x["model"], x["context"], x["batch"]) == (r["model"], r["context"], r["batch"])]
             if base:
-                ratios[f"{r['model']}|{r['context']}|{r['batch']}"] = base[0]["tpot_ms"] / r["tpot_ms"]
+                into = ratios if r["backend"] == "LOCKS" else sparse_ratios
+                into[f"{r['model']}|{r['context']}|{r['batch']}"] = base[0]["tpot_ms"] / r["tpot_ms"]
     summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
                "gpu_memory_utilization": GPU_UTIL, "prefix": args.prefix, **_facts(),
                "speedup_tpot_flash_over_locks": ratios,
+               "speedup_tpot_flash_over_locks_sparse": sparse_ratios,
                "rows": len(rows), "errors": sum("error" in r for r in rows)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary["speedup_tpot_flash_over_locks"], indent=1))
