@@ -40,7 +40,7 @@ ATTN_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr": 
              "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "bt_ptr": "*i32", "stride_bt": "i32",
              "seqlen_ptr": "*i32", "pl_ptr": "*i32", "stride_lb": "i32", "stride_lh": "i32", "n_list": "i32",
              "po_ptr": "*fp32", "plse_ptr": "*fp32", "Hkv": "i32", "G": "i32", "n_splits": "i32",
-             "pages_per_split": "i32", "qk_scale": "fp32"}
+             "pages_per_split": "i32", "qk_scale": "fp32", "sel_ptr": "*i32", "dense_splits": "i32"}
 
 
 BUILD_ARGS = {"k_ptr": "*bf16", "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32", "ids_ptr": "*i32",
@@ -54,7 +54,8 @@ EXACT_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr":
 PICK_ARGS = {"seqlen_ptr": "*i32", "cand_ptr": "*i32", "exact_ptr": "*fp32", "est_ptr": "*fp32", "lse_ptr": "*fp32",
              "out_ptr": "*i32", "Hkv": "i32", "G": "i32", "KC": "i32"}
 MERGE_KERNEL_ARGS = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32",
-                     "stride_oh": "i32", "lse_ptr": "*fp32", "Hq": "i32", "n_splits": "i32"}
+                     "stride_oh": "i32", "lse_ptr": "*fp32", "Hq": "i32", "n_splits": "i32", "list_splits": "i32",
+                     "seqlen_ptr": "*i32", "sel_ptr": "*i32", "dense_splits": "i32"}
 
 
 def _compile(fn, args: dict, consts: dict, num_warps: int, **options):
@@ -165,18 +166,20 @@ def _check_pdl(ptx: str, pdl: bool) -> None:
 
 
 def attention_kernels() -> None:
-    """The split-KV attention and its merge kernel, with and without programmatic dependent launch."""
+    """The split-KV attention and its merge kernel, with and without programmatic dependent launch,
+    and with rows attended over every page (HAS_DENSE, the vLLM decode step's launch)."""
     import triton.language as tl
 
     from kvlocks.attention import triton as at
 
-    for pdl in (False, True):
+    for pdl, dense in ((False, False), (True, False), (True, True)):
         k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=128, S=16, PP=4, DOT_DT=tl.bfloat16, PRECISION="tf32",
-                                                      PDL=pdl), 4, num_stages=3,
+                                                      HAS_DENSE=dense, PDL=pdl), 4, num_stages=3,
                      **({"launch_pdl": True} if pdl else {}))
         assert ".target sm_90" in k.asm["ptx"]
         _check_pdl(k.asm["ptx"], pdl)
-        k = _compile(at._merge_kernel, MERGE_KERNEL_ARGS, dict(D=128, BLOCK_S=32, PDL=pdl), 4,
+        k = _compile(at._merge_kernel, MERGE_KERNEL_ARGS, dict(D=128, BLOCK_S=32, S=16, PP=4, HAS_DENSE=dense,
+                                                               PDL=pdl), 4,
                      **({"launch_pdl": True} if pdl else {}))
         assert ".target sm_90" in k.asm["ptx"]
         _check_pdl(k.asm["ptx"], pdl)

@@ -107,10 +107,10 @@ def main() -> None:
     for ppi, warps, stages in sorted({(x.ppi, x.num_warps, x.num_stages) for x in DENSE_LAUNCHES}):
         pp = at.step_pages(ppi, D)
         k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=D, S=16, PP=pp, DOT_DT=tl.bfloat16, PRECISION="tf32",
-                                                      PDL=True), warps, num_stages=stages, launch_pdl=True)
+                                                      HAS_DENSE=True, PDL=True), warps, num_stages=stages, launch_pdl=True)
         first = (ppi, warps, stages) == (default.ppi, default.num_warps, default.num_stages)
         _check(f"attention ppi={ppi} (step {pp}) w={warps} s={stages}", k, 0 if first else 512)
-    _check("attention merge", _compile(at._merge_kernel, MERGE_KERNEL_ARGS, dict(D=D, BLOCK_S=32, PDL=True), 4,
+    _check("attention merge", _compile(at._merge_kernel, MERGE_KERNEL_ARGS, dict(D=D, BLOCK_S=32, S=16, PP=4, HAS_DENSE=True, PDL=True), 4,
                                        launch_pdl=True))
     k = _compile(rr._exact_kernel, EXACT_ARGS, dict(GP=16, D=D, S=16, PB=rr.PAGES_PER_PROGRAM, DOT_DT=tl.bfloat16,
                                                     PRECISION="tf32", PDL=True), 8, launch_pdl=True)
