@@ -20,43 +20,27 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kvlocks.attention.triton import attention_workspace, identity_pages, paged_decode
-from kvlocks.cache.layout import SummaryStore
-from kvlocks.config import LocksConfig
-from kvlocks.plan import DecodePlan, paged_build
+sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))
+from common import graph_time  # noqa: E402
+
+from kvlocks.attention.triton import attention_workspace, identity_pages, paged_decode  # noqa: E402
+from kvlocks.cache.layout import SummaryStore  # noqa: E402
+from kvlocks.config import LocksConfig  # noqa: E402
+from kvlocks.plan import DecodePlan, paged_build  # noqa: E402
 
 SHAPES = {"glm4-9b-1m": (2, 16, 128), "llama3.1-8b": (8, 4, 128)}
 S = 16
 
 
-def graph_us(fn, layers: int, reps: int = 20) -> float:
-    """Microseconds per layer step: ``fn(layer)`` for every layer captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for li in range(layers):
-            fn(li)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for li in range(layers):
-            fn(li)
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / layers)
-    return sorted(times)[len(times) // 2]
+def graph_us(fn, layers: int) -> float:
+    """Microseconds per layer step: ``fn(layer)`` for every layer, captured in one CUDA graph."""
+    return graph_time(lambda: [fn(li) for li in range(layers)], n_graph=1, replays=20) / layers
 
 
 def one_case(shape: str, ctx: int, bsz: int, layers: int, width: int, cfg: LocksConfig) -> dict:
