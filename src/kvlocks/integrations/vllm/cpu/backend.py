@@ -34,6 +34,7 @@ from kvlocks import env
 from kvlocks.integrations.vllm import compat, startup
 from kvlocks.integrations.vllm import layers as layer_table
 from kvlocks.integrations.vllm.plugin import current_config, current_settings
+from kvlocks.integrations.vllm.settings import resolve_dense_below
 from kvlocks.integrations.vllm.cpu.store import BlockSummaryStore, PagedBlocks, decode_rows
 from kvlocks.plan import sparse_rows
 
@@ -128,9 +129,6 @@ class LocksCPUAttentionImpl(_StockImpl):
     def _dense_below(self) -> int:
         """Tokens up to which a decode row attends with vLLM's CPU attention (``"dense_below"``)."""
         if self._dense_tokens is None:
-            from kvlocks.integrations.vllm.plugin import current_settings
-            from kvlocks.integrations.vllm.settings import resolve_dense_below
-
             self._dense_tokens = resolve_dense_below(current_settings().dense_below, cuda=False,
                                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_size)
         return self._dense_tokens
