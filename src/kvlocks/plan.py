@@ -52,8 +52,8 @@ def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, *, page_size: 
                 dense_below: int = 0) -> torch.Tensor:
     """bool ``[B]``: the rows that decode sparsely, a single query token (a decode step) over more
     pages than a step attends (``ceil(seq_lens / S) > k``, ``k = LocksConfig.pages_per_step``) and
-    more than ``dense_below`` tokens (the path's crossover with dense attention,
-    :func:`kvlocks.config.resolve_dense_below`); the others read every page: exact attention.
+    more than ``dense_below`` tokens (a serving path's crossover with dense attention, e.g. the vLLM
+    plugin's ``"dense_below"``); the others read every page: exact attention.
 
     query_lens, seq_lens : int ``[B]`` (tokens queried at this step; tokens in the sequence)
     """
@@ -179,13 +179,17 @@ def paged_select(ranking, seq_lens, *, page_size, k, sink_pages=1, recent_pages=
 
 
 def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *, scale=None, backend=None,
-                 workspace=None, options: KernelOptions | None = None, out=None):
+                 workspace=None, options: KernelOptions | None = None, out=None, sparse_lens=None):
     """Attention over the listed pages: ``out [B, Hq, D]`` (queries' dtype), ``lse [B, Hq]`` float32.
     ``workspace``: an :class:`~kvlocks.attention.triton.AttentionWorkspace` (Triton); ``out``: a
-    ``[B, Hq, D]`` tensor to write the result into (last dim contiguous)."""
+    ``[B, Hq, D]`` tensor to write the result into (last dim contiguous); ``sparse_lens``: int32
+    ``[B]`` or None, rows whose entry is 0 attend every page instead of their list
+    (:meth:`DecodePlan.run`)."""
     if out is not None:
         check_out(out, queries)
     backend = resolve_backend(backend, queries.device)
+    if sparse_lens is not None and backend != "triton":  # the kernel reads the block table itself
+        page_list = dense_page_lists(page_list, seq_lens, sparse_lens, block_table.shape[1], k_cache.shape[1])
     if backend == "cpu":
         from kvlocks.attention.cpu import paged_decode as cpu_decode
 
@@ -195,7 +199,7 @@ def paged_decode(queries, k_cache, v_cache, block_table, seq_lens, page_list, *,
         from kvlocks.attention.triton import paged_decode as tri
 
         return tri(queries, k_cache, v_cache, block_table, seq_lens, page_list, scale=scale, workspace=workspace,
-                   options=options, out=out)
+                   options=options, out=out, sparse_lens=sparse_lens)
     bsz, hq, d = queries.shape
     hkv = k_cache.shape[2]
     g, s = hq // hkv, k_cache.shape[1]
@@ -378,15 +382,6 @@ class DecodePlan:
         return self._attend(queries, k_cache, v_cache, block_table, seq_lens, out, sparse_lens)
 
     def _attend(self, queries, k_cache, v_cache, block_table, seq_lens, out, sparse_lens=None):
-        if sparse_lens is None:
-            return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
-                                backend=self.backend, workspace=self.attend_ws, options=self.options, out=out)
-        if self.backend == "triton":
-            from kvlocks.attention.triton import paged_decode as tri
-
-            return tri(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
-                       workspace=self.attend_ws, options=self.options, out=out, sparse_lens=sparse_lens)
-        return paged_decode(queries, k_cache, v_cache, block_table, seq_lens,
-                            dense_page_lists(self.pages, seq_lens, sparse_lens, block_table.shape[1],
-                                             self.config.page_size),
-                            scale=self.scale, backend=self.backend, out=out)
+        return paged_decode(queries, k_cache, v_cache, block_table, seq_lens, self.pages, scale=self.scale,
+                            backend=self.backend, workspace=self.attend_ws, options=self.options, out=out,
+                            sparse_lens=sparse_lens)

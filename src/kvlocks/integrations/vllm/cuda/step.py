@@ -36,7 +36,7 @@ from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.integrations.vllm.compat import VllmCompatError
 from kvlocks.integrations.vllm.cuda.store import CudaSummaryStore
 from kvlocks.integrations.vllm.sinks import apply_sinks
-from kvlocks.plan import DecodePlan, paged_score, sparse_rows
+from kvlocks.plan import DecodePlan, paged_score, sparse_lens, sparse_rows
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     """
     sparse = sparse_rows(query_start_loc[1:] - query_start_loc[:-1], seq_lens, page_size=page_size, k=k,
                          dense_below=dense_below)  # [B]
-    zero = torch.zeros_like(seq_lens)
-    return sparse, torch.where(sparse, zero + 1, seq_lens), torch.where(sparse, seq_lens, zero)
+    return sparse, torch.where(sparse, torch.ones_like(seq_lens), seq_lens), sparse_lens(sparse, seq_lens)
 
 
 @dataclass
@@ -169,7 +168,7 @@ class PlanPool:
         hkv, g, d, width, scale, dtype, device, config, backend, dense_below = shape
         return DecodePlan(batch=size, num_kv_heads=hkv, group=g, head_dim=d, max_pages=width, config=config,
                           dtype=dtype, device=device, scale=scale, backend=backend, options=self.options,
-                          dense_tokens=min(width * config.page_size, max(dense_below, config.budget)))
+                          dense_tokens=min(width * config.page_size, dense_below))
 
 
 class LocksDecoder:
