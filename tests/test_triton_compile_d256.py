@@ -103,13 +103,18 @@ def main() -> None:
     # attention: each dense launch's (pages per step at D = 256, warps, stages), then the merge. The
     # default launch (the decode plan's sparse attention) must not spill; the tuner's other candidates
     # may a little (Triton 3.6: 8 pages, 4 warps steps 4 pages at D = 256 with 360 B of spills)
+    # The decode plan's launch also with rows attended over every page (HAS_DENSE: the vLLM step's
+    # rows below dense_below), which must not spill either; the tuner's candidates run page lists only.
     default = DENSE_LAUNCHES[0]
     for ppi, warps, stages in sorted({(x.ppi, x.num_warps, x.num_stages) for x in DENSE_LAUNCHES}):
         pp = at.step_pages(ppi, D)
-        k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=D, S=16, PP=pp, DOT_DT=tl.bfloat16, PRECISION="tf32",
-                                                      HAS_DENSE=True, PDL=True), warps, num_stages=stages, launch_pdl=True)
         first = (ppi, warps, stages) == (default.ppi, default.num_warps, default.num_stages)
-        _check(f"attention ppi={ppi} (step {pp}) w={warps} s={stages}", k, 0 if first else 512)
+        for dense in (False, True) if first else (False,):
+            k = _compile(at._attn_kernel, ATTN_ARGS, dict(GP=16, D=D, S=16, PP=pp, DOT_DT=tl.bfloat16,
+                                                          PRECISION="tf32", HAS_DENSE=dense, PDL=True),
+                         warps, num_stages=stages, launch_pdl=True)
+            _check(f"attention ppi={ppi} (step {pp}) w={warps} s={stages}{' dense rows' if dense else ''}", k,
+                   0 if first else 512)
     _check("attention merge", _compile(at._merge_kernel, MERGE_KERNEL_ARGS, dict(D=D, BLOCK_S=32, S=16, PP=4, HAS_DENSE=True, PDL=True), 4,
                                        launch_pdl=True))
     k = _compile(rr._exact_kernel, EXACT_ARGS, dict(GP=16, D=D, S=16, PB=rr.PAGES_PER_PROGRAM, DOT_DT=tl.bfloat16,
