@@ -35,6 +35,7 @@ def impl_for(cfg, sinks, trace):
     impl.num_queries_per_kv, impl.sinks, impl.attn_type, impl.kv_cache_dtype = G, sinks, decoder_attention_type(), "auto"
     impl.locks, impl.store, impl._store_key, impl.layout, impl._seen_real_write = cfg, None, None, None, False
     impl.trace_path, impl.verify, impl.ignore_tags, impl.kvlocks_decision = str(trace), True, False, None
+    impl._dense_tokens = None  # "dense_below" resolved at the first forward
     return impl
 
 
