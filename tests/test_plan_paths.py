@@ -232,12 +232,15 @@ def test_hf_cache_kernel_options_reach_its_plans_and_builds(monkeypatch):
         _hf_layer("locks", LocksConfig(), None, kernel_options={"pdl": False})
 
 
-def test_sparse_rows_leave_rows_up_to_the_crossover_dense():
+def test_sparse_rows_leave_steps_up_to_the_crossover_dense():
+    """``dense_below`` counts the step's tokens (every row together), not each row's."""
     qlen = torch.tensor([1, 1, 1, 1])
-    lens = torch.tensor([300, 150, 151, 65])  # pages 19, 10, 10, 5 against k = 4
-    got = sparse_rows(qlen, lens, page_size=16, k=4, dense_below=150)
-    assert got.tolist() == [True, False, True, False]
-    assert sparse_lens(got, lens.to(torch.int32)).tolist() == [300, 0, 151, 0]
+    lens = torch.tensor([300, 150, 40, 65])  # 555 tokens; pages 19, 10, 3, 5 against k = 4
+    assert sparse_rows(qlen, lens, page_size=16, k=4, dense_below=555).tolist() == [False] * 4
+    got = sparse_rows(qlen, lens, page_size=16, k=4, dense_below=554)
+    assert got.tolist() == [True, True, False, True]  # the row that fits the budget stays dense
+    assert sparse_lens(got, lens.to(torch.int32)).tolist() == [300, 150, 0, 65]
+    assert sparse_rows(qlen, lens, page_size=16, k=4).tolist() == [True, True, False, True]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -252,7 +255,7 @@ def test_rows_with_no_sparse_length_get_exact_attention(mode, backend):
     cfg = LocksConfig(budget=64, **MODES[mode])
     q, k, v, table, seq = paged([300, 100, 200, 30], 2, 4, 64, seed=9)
     store = store_of(k, table, seq, cfg)
-    sel = sparse_lens(sparse_rows(torch.ones(4, dtype=torch.int32), seq, page_size=S, k=4, dense_below=150), seq)
+    sel = sparse_lens(torch.tensor([True, False, True, False]), seq)  # the plan takes any mix of rows
     assert sel.tolist() == [300, 0, 200, 0]
     whole = plan_for(backend, cfg, q, k, table)
     out_w, _ = whole.run(q, k, v, store, table, seq)

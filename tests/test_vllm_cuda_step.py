@@ -38,9 +38,13 @@ def test_step_lens_marks_long_single_token_rows():
     assert flash.dtype == locks.dtype == torch.int32
     _, _, locks = step_lens(qsl, torch.tensor([64, 65, 0, 80, 0], dtype=torch.int32), 16, 4)
     assert locks.tolist() == [0, 65, 0, 80, 0]  # 4 pages fit k = 4; 5 pages do not
-    sparse, flash, locks = step_lens(qsl, torch.tensor([300, 65, 0, 80, 0], dtype=torch.int32), 16, 4, 80)
-    assert sparse.tolist() == [True, False, False, False, False]  # 80 tokens: at the crossover, dense
-    assert flash.tolist() == [1, 65, 0, 80, 0] and locks.tolist() == [300, 0, 0, 0, 0]
+    # dense_below is per step: these rows hold 300 + 65 + 0 + 80 = 445 tokens together
+    sparse, flash, locks = step_lens(qsl, torch.tensor([300, 65, 0, 80, 0], dtype=torch.int32), 16, 4, 445)
+    assert sparse.tolist() == [False] * 5  # at the crossover: every row dense
+    assert flash.tolist() == [300, 65, 0, 80, 0] and locks.tolist() == [0] * 5
+    sparse, flash, locks = step_lens(qsl, torch.tensor([300, 65, 0, 80, 0], dtype=torch.int32), 16, 4, 444)
+    assert sparse.tolist() == [True, True, False, True, False]  # over it: every row past the budget selects
+    assert flash.tolist() == [1, 1, 0, 1, 0] and locks.tolist() == [300, 65, 0, 80, 0]
 
 
 @pytest.mark.parametrize("cap", [1, 2, 8, 16])
@@ -218,30 +222,33 @@ def test_uniform_decode_step_attends_every_row(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_rows_below_the_crossover_attend_every_page(backend):
-    """A uniform decode step with ``dense_below`` 100: rows n = 100 and 90 (over the budget, under the
-    crossover) get exact attention over all their pages, row n = 40 (fits the budget) too, and row
-    n = 129 the token-major reference's selected pages; the plans are sized for the crossover."""
+def test_steps_below_the_crossover_attend_every_page(backend):
+    """A uniform decode step of rows n = 100, 40, 90, 129 (359 tokens): with ``dense_below`` 359 every
+    row gets exact attention over all its pages (the plans sized for the crossover); with 358 the
+    rows past the budget (100, 90, 129) get the token-major reference's selected pages and the row
+    that fits the budget (40) all of its pages."""
     raw, keys, values, blocks, lens, qsl, dec, step, query, output = _batch(backend, [100, 40, 90, 129])
-    dec.dense_below = 100
-    sparse, _, locks = step_lens(qsl, lens, S, CFG.pages_per_step, dec.dense_below)
-    assert sparse.tolist() == [False, False, False, True]
-    step = dataclasses.replace(step, sparse=sparse, locks_lens=locks)
-    dec.run(step, query, keys, values, output, captured=False)
-    for r in range(4):
-        ref, pages = _reference_row(raw, blocks[r].tolist(), int(lens[r]), query[r], D ** -0.5)
-        if r == 3:
-            assert pages.shape[-1] == CFG.pages_per_step
-        else:  # every page: dense attention
-            slots = _slots(blocks[r].tolist(), int(lens[r]))
-            k = raw[slots // S, slots % S, :, :D].transpose(0, 1).float()
-            v = raw[slots // S, slots % S, :, D:].transpose(0, 1).float()
-            ref, _ = dense_decode(query[r].view(HKV, G, D).float(), k, v, scale=D ** -0.5)
-            ref = ref.reshape(HKV * G, D)
-        torch.testing.assert_close(output[r], ref, atol=2e-5, rtol=2e-5)
-    plan = dec.pool.get(dec.shape(step.block_table.shape[1], query.dtype, query.device), 4, create=False)
-    if backend == "triton":
-        assert plan.attend_ws.dense_splits >= plan.attend_ws.splits
+    for dense_below, want in ((359, [False] * 4), (358, [True, False, True, True])):
+        dec.dense_below = dense_below
+        sparse, _, locks = step_lens(qsl, lens, S, CFG.pages_per_step, dec.dense_below)
+        assert sparse.tolist() == want
+        step = dataclasses.replace(step, sparse=sparse, locks_lens=locks)
+        output.zero_()
+        dec.run(step, query, keys, values, output, captured=False)
+        for r in range(4):
+            ref, pages = _reference_row(raw, blocks[r].tolist(), int(lens[r]), query[r], D ** -0.5)
+            if want[r]:
+                assert pages.shape[-1] == CFG.pages_per_step
+            else:  # every page: dense attention
+                slots = _slots(blocks[r].tolist(), int(lens[r]))
+                k = raw[slots // S, slots % S, :, :D].transpose(0, 1).float()
+                v = raw[slots // S, slots % S, :, D:].transpose(0, 1).float()
+                ref, _ = dense_decode(query[r].view(HKV, G, D).float(), k, v, scale=D ** -0.5)
+                ref = ref.reshape(HKV * G, D)
+            torch.testing.assert_close(output[r], ref, atol=2e-5, rtol=2e-5)
+        plan = dec.pool.get(dec.shape(step.block_table.shape[1], query.dtype, query.device), 4, create=False)
+        if backend == "triton":
+            assert plan.attend_ws.dense_splits >= plan.attend_ws.splits
 
 
 @pytest.mark.parametrize("backend", ["triton"])  # captured steps run the Triton kernels only (CUDA)

@@ -47,13 +47,14 @@ def test_config_round_trip_with_and_without_strict():
 
 def test_dense_below_resolves_by_platform_and_head_shape():
     """An integer is kept on both platforms; "auto" is 0 on CPU and, on CUDA, the crossover of the
-    head shape's K/V width: 2 x 128 (GLM-4-9B) 56K tokens, 8 x 128 (Llama-3.1-8B) 36K."""
+    head shape's K/V width: 2 x 128 (GLM-4-9B) 12K tokens, 4 x 128 and 8 x 128 (Llama-3.1-8B) 10K."""
     r = settings.resolve_dense_below
     assert r(4096, cuda=True, num_kv_heads=8, head_dim=128) == r(4096, cuda=False, num_kv_heads=8, head_dim=128) == 4096
     assert r("auto", cuda=False, num_kv_heads=2, head_dim=128) == 0
-    assert r("auto", cuda=True, num_kv_heads=2, head_dim=128) == 57344
-    assert r("auto", cuda=True, num_kv_heads=4, head_dim=128) == 49152
-    assert r("auto", cuda=True, num_kv_heads=8, head_dim=128) == 36864
+    assert r("auto", cuda=True, num_kv_heads=2, head_dim=128) == 12288
+    assert r("auto", cuda=True, num_kv_heads=1, head_dim=256) == 12288
+    assert r("auto", cuda=True, num_kv_heads=4, head_dim=128) == 10240
+    assert r("auto", cuda=True, num_kv_heads=8, head_dim=128) == 10240
     assert settings.PluginSettings().dense_below == "auto"
 
 

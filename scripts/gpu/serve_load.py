@@ -135,11 +135,15 @@ def _wait_up(proc, base: str, log: Path, limit: float = 420) -> None:
 
 
 def serve(args, plan, files, out: Path, locks_json: str) -> dict:
+    from kvlocks.config import LocksConfig
+    from kvlocks.integrations.vllm.settings import PluginSettings, to_text
     from kvlocks.models import resolve
     from kvlocks_lab.bench.serve_load import run_load, server_metric
 
     port = _free_port()
-    env = {**os.environ, "KVLOCKS_VLLM_CONFIG": locks_json, "KVLOCKS_VLLM_VERIFY": "1",
+    # every step past the budget selects (dense_below 0), as in the references (engine_gpu.py, engine_run.py)
+    served = to_text(LocksConfig.from_json(locks_json), PluginSettings(dense_below=0))
+    env = {**os.environ, "KVLOCKS_VLLM_CONFIG": served, "KVLOCKS_VLLM_VERIFY": "1",
            "KVLOCKS_VLLM_COUNTERS": str(out / "counters.json"), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if args.cpu:
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "KVLOCKS_VLLM_TRACE": str(out / "trace.jsonl")})

@@ -51,13 +51,17 @@ def resolve_backend(backend: str | None, device) -> str:
 def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int, k: int,
                 dense_below: int = 0) -> torch.Tensor:
     """bool ``[B]``: the rows that decode sparsely, a single query token (a decode step) over more
-    pages than a step attends (``ceil(seq_lens / S) > k``, ``k = LocksConfig.pages_per_step``) and
-    more than ``dense_below`` tokens (a serving path's crossover with dense attention, e.g. the vLLM
-    plugin's ``"dense_below"``); the others read every page: exact attention.
+    pages than a step attends (``ceil(seq_lens / S) > k``, ``k = LocksConfig.pages_per_step``), in a
+    step whose rows hold more than ``dense_below`` tokens together (a serving path's crossover with
+    dense attention, e.g. the vLLM plugin's ``"dense_below"``); the others read every page: exact
+    attention. The crossover is per step, not per row: the dense rows' K/V reads add up over the
+    step (in vLLM at 8K tokens a row, one row is faster dense and four rows faster selecting,
+    docs/vllm.md).
 
     query_lens, seq_lens : int ``[B]`` (tokens queried at this step; tokens in the sequence)
     """
-    return (query_lens == 1) & (num_pages(seq_lens, page_size) > k) & (seq_lens > dense_below)
+    over = (query_lens == 1) & (num_pages(seq_lens, page_size) > k)
+    return over & (seq_lens.sum() > dense_below) if dense_below > 0 else over
 
 
 def sparse_lens(sparse: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     from kvlocks.models import resolve
 
     if spec.get("locks"):
-        enable(LocksConfig.from_json(spec["locks"]))
+        enable(LocksConfig.from_json(spec["locks"]), dense_below=0)  # every step past the budget selects
     kv = {"kv_connector": "KvlocksConnector", "kv_connector_module_path": "kvlocks.integrations.vllm.connector.kv_connector",
           "kv_role": "kv_consumer", "kv_connector_extra_config": {"cache_dir": spec["cache_dir"]}}
     llm = LLM(model=str(resolve("smollm2-135m")), seed=0, kv_transfer_config=kv, **spec["llm"])

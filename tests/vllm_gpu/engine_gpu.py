@@ -42,7 +42,9 @@ if __name__ == "__main__":
     from kvlocks.models import resolve
 
     if spec.get("locks"):
-        enable(LocksConfig.from_json(spec["locks"]), strict=bool(spec.get("strict")))
+        # these tests check LOCKS itself on short prompts: every step selects unless the spec says otherwise
+        enable(LocksConfig.from_json(spec["locks"]), strict=bool(spec.get("strict")),
+               dense_below=spec.get("dense_below", 0))
     from vllm.v1.core.sched.scheduler import Scheduler
 
     events = []  # (internal request id, output tokens so far) per preemption

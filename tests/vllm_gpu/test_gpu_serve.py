@@ -10,6 +10,7 @@ import time
 from gpu_helpers import GPU_SHARE, KV_BYTES, long_text, read_trace, worker_env
 
 from kvlocks.config import LocksConfig
+from kvlocks.integrations.vllm.settings import PluginSettings, to_text
 from kvlocks.models import resolve
 
 
@@ -24,7 +25,7 @@ def test_vllm_serve_with_plugin_answers_openai_client(tmp_path):
 
     port = _free_port()
     trace = tmp_path / "trace.jsonl"
-    env = {**worker_env(), "KVLOCKS_VLLM_TRACE": str(trace), "KVLOCKS_VLLM_CONFIG": LocksConfig(budget=64).to_json()}
+    env = {**worker_env(), "KVLOCKS_VLLM_TRACE": str(trace), "KVLOCKS_VLLM_CONFIG": to_text(LocksConfig(budget=64), PluginSettings(dense_below=0))}
     # `vllm serve` is vllm.entrypoints.cli.main; eager, so that the trace records the decode steps
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve("smollm2-135m")),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2", "--dtype", "bfloat16",

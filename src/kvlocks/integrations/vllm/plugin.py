@@ -70,7 +70,7 @@ def register() -> None:
 def enable(config: LocksConfig, *, strict: bool = False, dense_below: int | str = "auto") -> None:
     """Configure LOCKS for vLLM engines started later from this process, and register it here.
     ``strict``: any layer that cannot run LOCKS is an error at engine start; ``dense_below``: decode
-    rows of at most this many tokens attend densely (:mod:`.settings`)."""
+    steps whose rows hold at most this many tokens together attend densely (:mod:`.settings`)."""
     if not isinstance(config, LocksConfig):
         raise TypeError(f"enable() takes a LocksConfig, got {type(config).__name__}")
     os.environ[ENV_VAR] = _settings.to_text(config, PluginSettings(strict=strict, dense_below=dense_below))

@@ -12,9 +12,9 @@ The variable is one JSON object. Its ``LocksConfig`` fields (``budget``, ``rank`
   defaults): how the CUDA backend's decode plans launch their kernels, e.g.
   ``{"budget": 2048, "kernels": {"score_kernel": "packed", "pdl": false}}``.
 
-- ``"dense_below"`` (an integer >= 0 or ``"auto"``, the default): a decode row of at most this many
-  tokens attends every page (exact attention) instead of its selected pages, so that turning
-  LOCKS on never makes short requests slower than dense attention; ``0`` selects on every row
+- ``"dense_below"`` (an integer >= 0 or ``"auto"``, the default): a decode step whose rows hold at
+  most this many tokens together attends every page of every row (exact attention) instead of
+  scoring and selecting, which costs more than it saves on short steps; ``0`` selects on every row
   longer than the budget. ``"auto"``: on CUDA the crossover measured for the layer's head shape
   (:func:`auto_dense_below`), on CPU 0.
 
@@ -99,11 +99,12 @@ def current() -> tuple[LocksConfig, PluginSettings] | None:
     return parse(text) if text else None
 
 
-# Decode rows up to these many tokens attend densely under "auto" on CUDA, by K/V width per token
-# (KV heads x head_dim): where LOCKS's step in vLLM equals FlashAttention's at budget 2,048
-# (docs/vllm.md#dense-below-the-crossover). Wider rows pay more per token of dense attention, so
-# they cross over sooner.
-AUTO_DENSE_BELOW = ((256, 57344), (512, 49152), (None, 36864))
+# Decode steps of up to these many tokens (all rows together) attend densely under "auto" on CUDA,
+# by K/V width per token (KV heads x head_dim): where the plan's step over every page and its
+# selecting step take the same time at budget 2,048 and batch 1 (H100, scripts/gpu/dense_rows.py:
+# about 12.3K tokens at GLM-4-9B's 2 x 128, 10.6K at Llama-3.1-8B's 8 x 128), bracketed in vLLM by
+# 8K (dense faster) and 16K (selecting faster) for both shapes; docs/vllm.md#dense-below-the-crossover.
+AUTO_DENSE_BELOW = ((256, 12288), (None, 10240))
 
 
 def auto_dense_below(num_kv_heads: int, head_dim: int) -> int:
@@ -113,7 +114,7 @@ def auto_dense_below(num_kv_heads: int, head_dim: int) -> int:
 
 
 def resolve_dense_below(setting: int | str, *, cuda: bool, num_kv_heads: int, head_dim: int) -> int:
-    """Tokens up to which a decode row attends densely: ``setting`` when it is an integer, else
+    """Tokens up to which a decode step attends densely: ``setting`` when it is an integer, else
     :func:`auto_dense_below` on CUDA and 0 on CPU."""
     if setting != "auto":
         return int(setting)

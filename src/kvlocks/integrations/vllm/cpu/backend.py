@@ -127,7 +127,8 @@ class LocksCPUAttentionImpl(_StockImpl):
         return output
 
     def _dense_below(self) -> int:
-        """Tokens up to which a decode row attends with vLLM's CPU attention (``"dense_below"``)."""
+        """Tokens up to which a step's decode rows (all rows together) attend with vLLM's CPU attention
+        (``"dense_below"``)."""
         if self._dense_tokens is None:
             self._dense_tokens = resolve_dense_below(current_settings().dense_below, cuda=False,
                                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_size)

@@ -2,8 +2,9 @@
 plans, and the eager / captured decode paths (see :mod:`kvlocks.integrations.vllm.cuda.backend`).
 
 Rows. A row is a *LOCKS row* when its query is one token (a decode step), its pages do not all
-fit the budget (``ceil(seq_len / S) > k``) and it is longer than the crossover with dense attention
-(``"dense_below"``, :func:`kvlocks.integrations.vllm.settings.resolve_dense_below`). In a batch of
+fit the budget (``ceil(seq_len / S) > k``) and the step's rows hold more tokens together than the
+crossover with dense attention (``"dense_below"``,
+:func:`kvlocks.integrations.vllm.settings.resolve_dense_below`; :func:`kvlocks.plan.sparse_rows`). In a batch of
 single-token decodes only (the batches vLLM runs in its full CUDA graphs) FlashAttention does not
 run: kvlocks' plans attend every row, the LOCKS rows over their selected pages and the others over
 all their pages (``sparse_lens`` 0: neither scored nor selected; exact attention, kvlocks' split-KV
@@ -46,8 +47,8 @@ PLAN_BUDGET_ENV = "KVLOCKS_VLLM_PLAN_GIB"
 def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: int, k: int, dense_below: int = 0):
     """``(sparse bool [B], flash_lens int32 [B], locks_lens int32 [B])`` for one batch.
 
-    ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``; ``dense_below``: rows of at
-    most this many tokens attend densely (:func:`kvlocks.plan.sparse_rows`). LOCKS rows get
+    ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``; ``dense_below``: a step whose
+    rows hold at most this many tokens together attends densely (:func:`kvlocks.plan.sparse_rows`). LOCKS rows get
     ``flash_lens = 1`` and ``locks_lens = seq_len``; the others ``flash_lens = seq_len``, ``locks_lens = 0``.
     """
     sparse = sparse_rows(query_start_loc[1:] - query_start_loc[:-1], seq_lens, page_size=page_size, k=k,
@@ -182,7 +183,7 @@ class LocksDecoder:
     layer : decoder layer number (traces)
     backend : kernels' backend (None: Triton on CUDA)
     sinks : learned sink logits ``[Hq]`` of this layer, or None (:mod:`kvlocks.integrations.vllm.sinks`)
-    dense_below : rows of at most this many tokens attend densely (the builder's rule; sizes the plans)
+    dense_below : steps of at most this many tokens attend densely (the builder's rule; sizes the plans)
     """
 
     def __init__(self, config: LocksConfig, *, num_kv_heads: int, group: int, head_dim: int, scale: float,
