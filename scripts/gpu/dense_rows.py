@@ -17,22 +17,17 @@ the L2 holds), divided by the layers. Writes ``DIR/dense_rows.json`` (rows, date
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))
-from common import graph_time  # noqa: E402
+from common import add_layer_grid_args, graph_time, paged_layers, run_layer_grid, write_result  # noqa: E402
 
 from kvlocks.attention.triton import attention_workspace, identity_pages, paged_decode  # noqa: E402
-from kvlocks.cache.layout import SummaryStore  # noqa: E402
 from kvlocks.config import LocksConfig  # noqa: E402
-from kvlocks.plan import DecodePlan, paged_build  # noqa: E402
+from kvlocks.plan import DecodePlan  # noqa: E402
 
 SHAPES = {"glm4-9b-1m": (2, 16, 128), "llama3.1-8b": (8, 4, 128)}
 S = 16
@@ -45,21 +40,8 @@ def graph_us(fn, layers: int) -> float:
 
 def one_case(shape: str, ctx: int, bsz: int, layers: int, width: int, cfg: LocksConfig) -> dict:
     hkv, g, d = SHAPES[shape]
-    dev = torch.device("cuda")
-    pages = -(-ctx // S)
-    num_pages = layers * bsz * pages
-    k = torch.randn(num_pages, S, hkv, d, device=dev, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(bsz, hkv * g, d, device=dev, dtype=torch.bfloat16)
-    tables = []
-    for li in range(layers):
-        t = torch.zeros(bsz, width, dtype=torch.int32, device=dev)
-        base = li * bsz * pages
-        t[:, :pages] = (base + torch.arange(bsz * pages, device=dev, dtype=torch.int32)).view(bsz, pages)
-        tables.append(t)
-    store = SummaryStore.empty(num_pages, hkv, d, cfg, device=dev)
-    paged_build(k, store, torch.arange(num_pages, device=dev, dtype=torch.int32), cfg)
-    seq = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
+    q, k, v, tables, store, seq = paged_layers(hkv, g, d, ctx, bsz, layers, width, cfg, S)
+    dev = q.device
     zero = torch.zeros_like(seq)
     plan = DecodePlan(batch=bsz, num_kv_heads=hkv, group=g, head_dim=d, max_pages=width, config=cfg,
                       dtype=q.dtype, device=dev, dense_tokens=65536)
@@ -86,29 +68,10 @@ def one_case(shape: str, ctx: int, bsz: int, layers: int, width: int, cfg: Locks
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 16384, 32768, 65536])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=131072 // S + 8, help="block-table pages (a 131K engine's)")
+    add_layer_grid_args(ap, SHAPES, [8192, 16384, 32768, 65536])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    cfg = LocksConfig(budget=2048)
-    rows = []
-    for shape in args.shapes:
-        for ctx in args.contexts:
-            for bsz in args.batches:
-                row = one_case(shape, ctx, bsz, args.layers, args.width, cfg)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    commit = os.environ.get("KVLOCKS_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                                 text=True).stdout.strip() or None
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit, "gpu": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "command": "python3 scripts/gpu/dense_rows.py " + " ".join(
-                  f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
-                  if k != "out"), "rows": rows}
-    (args.out / "dense_rows.json").write_text(json.dumps(result, indent=1))
+    write_result(args.out / "dense_rows.json", run_layer_grid(args, one_case))
     return 0
 
 

@@ -8,13 +8,20 @@ bandwidth that access pattern can reach, the bound a score kernel is held agains
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from kvlocks.cache.layout import SummaryStore
 from kvlocks.config import LocksConfig
+from kvlocks.plan import paged_build
 from kvlocks_lab.bench.kernels import SHAPES, _random_store
 
 
@@ -59,20 +66,25 @@ def load_only(store, table, hkv, pc, block, warps, ppp):
     return out
 
 
-def graph_time(fn, n_graph=20, replays=7):
-    """Microseconds per call of ``fn``: ``n_graph`` calls captured in one CUDA graph, median of
-    ``replays`` replays (inputs stay where ``fn`` leaves them, e.g. in L2)."""
-    fn()
+def capture_graph(fn, warm=None):
+    """``warm`` (default ``fn``) run once (compiles the kernels) and once on a side stream, then
+    ``fn`` captured in a CUDA graph."""
+    warm = warm or fn
+    warm()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        warm()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(n_graph):
-            fn()
+        fn()
+    return g
+
+
+def replay_time(g, calls=1, replays=7):
+    """Microseconds per call: the median of ``replays`` replays of graph ``g`` holding ``calls`` calls."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ts = []
     for _ in range(replays):
@@ -80,8 +92,69 @@ def graph_time(fn, n_graph=20, replays=7):
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / n_graph)
+        ts.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(ts)
+
+
+def graph_time(fn, n_graph=20, replays=7):
+    """Microseconds per call of ``fn``: ``n_graph`` calls captured in one CUDA graph, median of
+    ``replays`` replays (inputs stay where ``fn`` leaves them, e.g. in L2)."""
+    return replay_time(capture_graph(lambda: [fn() for _ in range(n_graph)], warm=fn), n_graph, replays)
+
+
+def paged_layers(hkv, g, d, ctx, bsz, layers, width, cfg, page_size=16):
+    """``layers`` layers of a batch of ``bsz`` rows of ``ctx`` tokens over disjoint pages of one random
+    bf16 paged cache (more bytes than the L2 holds), block tables ``width`` pages wide:
+    ``(q [B, Hq, D], k, v [pages, S, Hkv, D], tables [layers] of [B, width] int32, store, seq [B] int32)``,
+    the store's summaries built from the keys."""
+    dev = torch.device("cuda")
+    pages = -(-ctx // page_size)
+    num_pages = layers * bsz * pages
+    k = torch.randn(num_pages, page_size, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(bsz, hkv * g, d, device=dev, dtype=torch.bfloat16)
+    tables = []
+    for li in range(layers):
+        t = torch.zeros(bsz, width, dtype=torch.int32, device=dev)
+        t[:, :pages] = (li * bsz * pages + torch.arange(bsz * pages, device=dev, dtype=torch.int32)).view(bsz, pages)
+        tables.append(t)
+    store = SummaryStore.empty(num_pages, hkv, d, cfg, device=dev)
+    paged_build(k, store, torch.arange(num_pages, device=dev, dtype=torch.int32), cfg)
+    seq = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
+    return q, k, v, tables, store, seq
+
+
+def add_layer_grid_args(ap, shapes, contexts):
+    """The options of a one-layer-step grid (``dense_rows.py``, ``probes/conditional_step.py``)."""
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--contexts", nargs="+", type=int, default=contexts)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--shapes", nargs="+", default=list(shapes), choices=shapes)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=131072 // 16 + 8, help="block-table pages (a 131K engine's)")
+
+
+def run_layer_grid(args, one_case) -> list[dict]:
+    """``one_case(shape, context, batch, layers, width, LocksConfig(budget=2048))`` over the grid of
+    ``args``, each row printed as it comes."""
+    cfg = LocksConfig(budget=2048)
+    rows = []
+    for shape in args.shapes:
+        for ctx in args.contexts:
+            for bsz in args.batches:
+                rows.append(one_case(shape, ctx, bsz, args.layers, args.width, cfg))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def write_result(path, rows: list[dict], **facts) -> None:
+    """``path``: the rows with the date, commit (``KVLOCKS_COMMIT`` or git), GPU, torch, the command
+    and ``facts``."""
+    commit = os.environ.get("KVLOCKS_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                 text=True).stdout.strip() or None
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit, "gpu": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, **facts, "command": "python3 " + " ".join(sys.argv), "rows": rows}
+    Path(path).write_text(json.dumps(result, indent=1))
 
 
 def parse_shape(name):

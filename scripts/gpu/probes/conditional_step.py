@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from kvlocks.attention.triton import attention_workspace, identity_pages, paged_decode
-from kvlocks.cache.layout import SummaryStore
-from kvlocks.config import LocksConfig
-from kvlocks.plan import DecodePlan, paged_build
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    add_layer_grid_args, capture_graph, paged_layers, replay_time, run_layer_grid, write_result,
+)
+
+from kvlocks.attention.triton import attention_workspace, identity_pages, paged_decode  # noqa: E402
+from kvlocks.plan import DecodePlan  # noqa: E402
 
 SHAPES = {"glm4-9b-1m": (2, 16, 128), "llama3.1-8b": (8, 4, 128)}
 S = 16
@@ -49,32 +48,6 @@ def if_node(pred: torch.Tensor):
         yield
     finally:
         graph.end_capture_to_conditional_node()
-
-
-def capture(fn):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def replay_us(g, layers: int, replays: int = 20) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(replays):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / layers)
-    return statistics.median(ts)
 
 
 def flash_fn(q, k, v, table, seq, out, width, scale):
@@ -97,20 +70,8 @@ def flash_fn(q, k, v, table, seq, out, width, scale):
 
 def one_case(shape, ctx, bsz, layers, width, cfg):
     hkv, g, d = SHAPES[shape]
-    dev = torch.device("cuda")
-    pages = -(-ctx // S)
-    num_pages = layers * bsz * pages
-    k = torch.randn(num_pages, S, hkv, d, device=dev, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(bsz, hkv * g, d, device=dev, dtype=torch.bfloat16)
-    tables = []
-    for li in range(layers):
-        t = torch.zeros(bsz, width, dtype=torch.int32, device=dev)
-        t[:, :pages] = (li * bsz * pages + torch.arange(bsz * pages, device=dev, dtype=torch.int32)).view(bsz, pages)
-        tables.append(t)
-    store = SummaryStore.empty(num_pages, hkv, d, cfg, device=dev)
-    paged_build(k, store, torch.arange(num_pages, device=dev, dtype=torch.int32), cfg)
-    seq = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
+    q, k, v, tables, store, seq = paged_layers(hkv, g, d, ctx, bsz, layers, width, cfg, S)
+    dev = q.device
     plan = DecodePlan(batch=bsz, num_kv_heads=hkv, group=g, head_dim=d, max_pages=width, config=cfg,
                       dtype=q.dtype, device=dev)
     outs = {name: torch.zeros_like(q) for name in ("flash", "locks", "cond")}
@@ -142,13 +103,13 @@ def one_case(shape, ctx, bsz, layers, width, cfg):
     graphs = {}
     for name, fn in (("flash", flash), ("locks", locks), ("cond", cond)):
         try:
-            graphs[name] = capture(fn)
+            graphs[name] = capture_graph(fn)
         except Exception as e:  # noqa: BLE001 - the probe reports what fails
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
     if "cond" not in graphs:
         return row
-    row["flash_us"] = replay_us(graphs["flash"], layers)
-    row["locks_us"] = replay_us(graphs["locks"], layers)
+    row["flash_us"] = replay_time(graphs["flash"], layers, 20)
+    row["locks_us"] = replay_time(graphs["locks"], layers, 20)
     flips = []
     for side in ("flash", "locks", "flash", "locks"):
         use_flash.fill_(side == "flash")
@@ -158,12 +119,12 @@ def one_case(shape, ctx, bsz, layers, width, cfg):
         graphs[side].replay()
         torch.cuda.synchronize()
         flips.append(bool(torch.equal(outs["cond"], outs[side])))
-        row[f"cond_{side}_us"] = replay_us(graphs["cond"], layers)
+        row[f"cond_{side}_us"] = replay_time(graphs["cond"], layers, 20)
     row["cond_matches"] = flips
     both_off = torch.zeros_like(use_flash)
     use_flash.copy_(both_off)
     use_locks.copy_(both_off)
-    row["cond_none_us"] = replay_us(graphs["cond"], layers)
+    row["cond_none_us"] = replay_time(graphs["cond"], layers, 20)
     del k, v, store
     torch.cuda.empty_cache()
     return row
@@ -171,32 +132,14 @@ def one_case(shape, ctx, bsz, layers, width, cfg):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--contexts", nargs="+", type=int, default=[8192, 131072])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=131072 // S + 8, help="block-table pages (a 131K engine's)")
+    add_layer_grid_args(ap, SHAPES, [8192, 131072])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     api = hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph") and hasattr(
         torch._C._CUDAGraph, "begin_capture_to_if_node")
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "if_node_api": api}), flush=True)
-    rows = []
-    if api:
-        cfg = LocksConfig(budget=2048)
-        for shape in args.shapes:
-            for ctx in args.contexts:
-                for bsz in args.batches:
-                    row = one_case(shape, ctx, bsz, args.layers, args.width, cfg)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    commit = os.environ.get("KVLOCKS_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                                 text=True).stdout.strip() or None
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit, "gpu": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "if_node_api": api, "command": "python3 " + " ".join(sys.argv),
-              "rows": rows}
-    (args.out / "conditional_step.json").write_text(json.dumps(result, indent=1))
+    rows = run_layer_grid(args, one_case) if api else []
+    write_result(args.out / "conditional_step.json", rows, if_node_api=api)
     return 0
 
 
