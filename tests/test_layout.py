@@ -10,7 +10,7 @@
   module (``config.py``, ``plan.py``) counts as its own folder;
 - the product's declared dependencies hold neither scipy nor matplotlib (the lab's distribution
   declares them), and every product module imports with both of them unavailable;
-- no source file is over 400 lines, and the product stays well under 13K lines.
+- no source file is over 400 lines, and the product stays under ``PRODUCT_LINES``.
 """
 
 from __future__ import annotations
