@@ -134,16 +134,12 @@ def _wait_up(proc, base: str, log: Path, limit: float = 420) -> None:
             time.sleep(2)
 
 
-def serve(args, plan, files, out: Path, locks_json: str) -> dict:
-    from kvlocks.config import LocksConfig
-    from kvlocks.integrations.vllm.settings import PluginSettings, to_text
+def serve(args, plan, files, out: Path, served_json: str) -> dict:
     from kvlocks.models import resolve
     from kvlocks_lab.bench.serve_load import run_load, server_metric
 
     port = _free_port()
-    # every step past the budget selects (dense_below 0), as in the references (engine_gpu.py, engine_run.py)
-    served = to_text(LocksConfig.from_json(locks_json), PluginSettings(dense_below=0))
-    env = {**os.environ, "KVLOCKS_VLLM_CONFIG": served, "KVLOCKS_VLLM_VERIFY": "1",
+    env = {**os.environ, "KVLOCKS_VLLM_CONFIG": served_json, "KVLOCKS_VLLM_VERIFY": "1",
            "KVLOCKS_VLLM_COUNTERS": str(out / "counters.json"), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if args.cpu:
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "KVLOCKS_VLLM_TRACE": str(out / "trace.jsonl")})
@@ -301,8 +297,11 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from kvlocks.config import LocksConfig
+    from kvlocks.integrations.vllm.settings import PluginSettings, to_text
 
-    locks_json = LocksConfig(budget=args.budget).to_json()
+    config = LocksConfig(budget=args.budget)
+    locks_json = config.to_json()  # the references' engines (engine_gpu.py, engine_run.py) select on every step
+    served_json = to_text(config, PluginSettings(dense_below=0))  # and so does the server
     t0 = time.time()
     files = compacted_files(args, args.out)
     plan = make_plan(args.requests, args.max_model_len, files, MAX_TOKENS["cpu" if args.cpu else "cuda"])
@@ -310,7 +309,7 @@ def main() -> None:
         bs = 32 if args.cpu else 16
         demand = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in plan if r["kind"] == "main")
         args.blocks = max(demand * 6 // 10, -(-args.max_model_len // bs) + 8)
-    res = serve(args, plan, files, args.out, locks_json)
+    res = serve(args, plan, files, args.out, served_json)
     alone = references(args, plan, args.out, locks_json)
     result = summary(args, plan, files, res, alone, args.out)
     result["total_s"] = round(time.time() - t0, 1)

@@ -25,7 +25,8 @@ def test_vllm_serve_with_plugin_answers_openai_client(tmp_path):
 
     port = _free_port()
     trace = tmp_path / "trace.jsonl"
-    env = {**worker_env(), "KVLOCKS_VLLM_TRACE": str(trace), "KVLOCKS_VLLM_CONFIG": to_text(LocksConfig(budget=64), PluginSettings(dense_below=0))}
+    env = {**worker_env(), "KVLOCKS_VLLM_TRACE": str(trace),
+           "KVLOCKS_VLLM_CONFIG": to_text(LocksConfig(budget=64), PluginSettings(dense_below=0))}
     # `vllm serve` is vllm.entrypoints.cli.main; eager, so that the trace records the decode steps
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve("smollm2-135m")),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2", "--dtype", "bfloat16",

@@ -122,8 +122,9 @@ _DENSE_LOGGED: set = set()
 
 def dense_below_for(num_kv_heads: int, head_dim: int) -> int:
     """Tokens up to which a decode step (all its rows together) of this head shape attends densely
-    (the plugin's ``"dense_below"`` setting, :func:`~kvlocks.integrations.vllm.settings.resolve_dense_below`);
-    said once per shape in the startup log."""
+    (the plugin's ``"dense_below"`` setting,
+    :func:`~kvlocks.integrations.vllm.settings.resolve_dense_below`); said once per shape in the
+    startup log."""
     setting = current_settings().dense_below
     tokens = resolve_dense_below(setting, cuda=True, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if (num_kv_heads, head_dim, tokens) not in _DENSE_LOGGED:

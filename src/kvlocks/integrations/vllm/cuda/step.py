@@ -4,9 +4,9 @@ plans, and the eager / captured decode paths (see :mod:`kvlocks.integrations.vll
 Rows. A row is a *LOCKS row* when its query is one token (a decode step), its pages do not all
 fit the budget (``ceil(seq_len / S) > k``) and the step's rows hold more tokens together than the
 crossover with dense attention (``"dense_below"``,
-:func:`kvlocks.integrations.vllm.settings.resolve_dense_below`; :func:`kvlocks.plan.sparse_rows`). In a batch of
-single-token decodes only (the batches vLLM runs in its full CUDA graphs) FlashAttention does not
-run: kvlocks' plans attend every row, the LOCKS rows over their selected pages and the others over
+:func:`kvlocks.integrations.vllm.settings.resolve_dense_below`; :func:`kvlocks.plan.sparse_rows`).
+In a batch of single-token decodes only (the batches vLLM runs in its full CUDA graphs)
+FlashAttention does not run: kvlocks' plans attend every row, the LOCKS rows over their selected pages and the others over
 all their pages (``sparse_lens`` 0: neither scored nor selected; exact attention, kvlocks' split-KV
 kernel, with as many programs as a dense launch of the crossover's length). In any other
 batch (prefill, chunked prefill, mixed) vLLM's FlashAttention runs for every row, with the LOCKS
@@ -48,8 +48,8 @@ def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     """``(sparse bool [B], flash_lens int32 [B], locks_lens int32 [B])`` for one batch.
 
     ``query_start_loc`` int32 ``[B + 1]``, ``seq_lens`` int32 ``[B]``; ``dense_below``: a step whose
-    rows hold at most this many tokens together attends densely (:func:`kvlocks.plan.sparse_rows`). LOCKS rows get
-    ``flash_lens = 1`` and ``locks_lens = seq_len``; the others ``flash_lens = seq_len``, ``locks_lens = 0``.
+    rows hold at most this many tokens together attends densely (:func:`kvlocks.plan.sparse_rows`).
+    LOCKS rows get ``flash_lens = 1`` and ``locks_lens = seq_len``; the others ``flash_lens = seq_len``, ``locks_lens = 0``.
     """
     sparse = sparse_rows(query_start_loc[1:] - query_start_loc[:-1], seq_lens, page_size=page_size, k=k,
                          dense_below=dense_below)  # [B]
