@@ -102,7 +102,7 @@ def current() -> tuple[LocksConfig, PluginSettings] | None:
 # Decode steps of up to these many tokens (all rows together) attend densely under "auto" on CUDA,
 # by K/V width per token (KV heads x head_dim): where the plan's step over every page and its
 # selecting step take the same time at budget 2,048 and batch 1 (H100, scripts/gpu/dense_rows.py:
-# about 12.3K tokens at GLM-4-9B's 2 x 128, 10.6K at Llama-3.1-8B's 8 x 128), bracketed in vLLM by
+# about 12.5K tokens at GLM-4-9B's 2 x 128, 10.7K at Llama-3.1-8B's 8 x 128), bracketed in vLLM by
 # 8K (dense faster) and 16K (selecting faster) for both shapes; docs/vllm.md#dense-below-the-crossover.
 AUTO_DENSE_BELOW = ((256, 12288), (None, 10240))
 
