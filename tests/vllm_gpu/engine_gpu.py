@@ -4,7 +4,7 @@ Usage: python engine_gpu.py SPEC.json OUT.json. SPEC: {"llm": {LLM kwargs}, "pro
 lists], "max_tokens": int, "locks": LocksConfig JSON or null, "batches": [[prompt index, ...], ...]
 (one generate call each; default all at once), "model": path (default: the bundled model),
 "logprobs": int or null (the top log-probabilities of every output position), "strict": bool (the
-plugin's strict setting)}.
+plugin's strict setting), "memory_probe": bool (where the device memory grew: ``memory_probe.py``)}.
 Greedy, ignoring EOS. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 set by the caller), so the LOCKS backend's debug counters are read here after generating.
 OUT: {"tokens", "logprobs" (per prompt and position: {token id: log-probability}, or null), "counters", "preemptions", "preempted_at", "init_s", "gen_s", "num_gpu_blocks", "memory"}; ``memory``: the device's total and used
@@ -55,10 +55,18 @@ if __name__ == "__main__":
         return original(self, request, *args, **kwargs)
 
     Scheduler._preempt_request = _preempt_request
+    probe = None
+    if spec.get("memory_probe"):
+        from memory_probe import Probe
+
+        probe = Probe()
+        probe.wrap_runner()
     t0 = time.time()
     llm = LLM(model=spec.get("model") or str(resolve("smollm2-135m")), seed=0, **spec["llm"])
     t1 = time.time()
     after_init = _memory()
+    if probe is not None:
+        probe.check("engine start")
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
                             logprobs=spec.get("logprobs"))
@@ -85,6 +93,8 @@ if __name__ == "__main__":
     except Exception:  # noqa: BLE001 - stats disabled (the LLM default) or no prometheus_client
         pass
     memory = {**_memory(), "after_init": after_init}
+    if probe is not None:
+        memory["probe"] = probe.report()
     num_gpu_blocks = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
     num_gpu_blocks = getattr(num_gpu_blocks, "num_gpu_blocks", None)
     json.dump({"num_gpu_blocks": num_gpu_blocks, "memory": memory, "tokens": [t for _, t in sorted(outs)],

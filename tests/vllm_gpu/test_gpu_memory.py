@@ -7,7 +7,8 @@ tests/vllm_gpu/test_gpu_memory.py``. Stock vLLM first, then the LOCKS engine, bo
 requests (the memory in use under load includes the activations and allocator caching of long
 prefills, which a lightly loaded engine never reaches): no out-of-memory error, no more device
 memory in use than stock under that load, a pool smaller by the summaries' share and the plans
-(within 3 % of the prediction), and the log line with the pool in tokens with and without LOCKS."""
+(within 3 % of the prediction), and the log line with the pool in tokens with and without LOCKS. Both engines record where their
+memory grew (``memory_probe.py``), saved in ``memory.json``."""
 
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ def test_pool_at_095_counts_lockS_memory(tmp_path):
     pool = int(0.95 * torch.cuda.get_device_properties(0).total_memory) - 18 * 10**9
     n = max(1, min(128, -(-pool * 13 // 10 // (12000 * 128 * 1024))))
     fill = [[rng.randrange(10, 120000) for _ in range(12000)] for _ in range(n)]
-    stock = run_engine({"model": str(MODEL), "llm": LLM, "prompts": fill, "max_tokens": 8}, tmp_path, "stock")
+    stock = run_engine({"model": str(MODEL), "llm": LLM, "prompts": fill, "max_tokens": 8, "memory_probe": True},
+                       tmp_path, "stock")
     stock["num_gpu_blocks"] = _blocks(stock, tmp_path / "stock.log")
-    locks = run_engine({"model": str(MODEL), "llm": LLM, "prompts": fill, "max_tokens": 8,
+    locks = run_engine({"model": str(MODEL), "llm": LLM, "prompts": fill, "max_tokens": 8, "memory_probe": True,
                         "locks": CONFIG.to_json()}, tmp_path, "locks")
     locks["num_gpu_blocks"] = _blocks(locks, tmp_path / "locks.log")
     log = (tmp_path / "locks.log").read_text()
