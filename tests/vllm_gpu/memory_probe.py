@@ -1,7 +1,7 @@
 """Where an engine's device memory grows: a probe for ``engine_gpu.py`` (spec ``"memory_probe": true``).
 
 Records torch's allocator history (Python stacks) from before the engine starts, and after every
-model step (``GPUModelRunner.execute_model``, wrapped in this process) compares torch's peak
+model step (the worker's ``execute_model``, wrapped in this process) compares torch's peak
 reserved bytes with the last step's: each growth of more than ``MIN_GROWTH`` is kept with the
 step (tokens and rows scheduled) and the segments allocated since the last check, each with the
 innermost frames of vLLM, kvlocks and Triton that asked for it. :func:`report` adds the growth
@@ -58,14 +58,14 @@ class Probe:
             self._new_segments()  # move the window on: the next growth lists its own segments
 
     def wrap_runner(self) -> None:
-        from vllm.v1.worker import gpu_model_runner
+        from vllm.v1.worker.gpu_worker import Worker  # vLLM 0.26 and 0.32: one per GPU, in this process
 
-        cls = gpu_model_runner.GPUModelRunner
+        cls = Worker
         original = cls.execute_model
         probe = self
 
-        def execute_model(runner, scheduler_output, *args, **kwargs):
-            out = original(runner, scheduler_output, *args, **kwargs)
+        def execute_model(worker, scheduler_output, *args, **kwargs):
+            out = original(worker, scheduler_output, *args, **kwargs)
             probe.steps += 1
             sched = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
             probe.check("step", tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),

@@ -1,6 +1,6 @@
 """LOCKS's memory inside vLLM's budget at ``gpu_memory_utilization`` 0.95, the pool filled by long
 requests (Llama-3.1-8B shape, random weights: 128 KiB of K/V per token; 12K-token requests worth 1.3 pools,
-sent at once, fill it and force preemption).
+sent at once, fill it; those that do not fit wait for free blocks).
 
 Runs alone (it takes 95 % of the GPU): ``bash scripts/gpu/vllm_tests.sh OUT 1
 tests/vllm_gpu/test_gpu_memory.py``. Stock vLLM first, then the LOCKS engine, both serving the same
