@@ -2,7 +2,8 @@
 backend against vLLM's own FLASH_ATTN backend, same script, same engine settings.
 
 Models are random-weight (``load_format="dummy"``) from the config files in ``configs/``
-(Llama-3.1-8B, GLM-4-9B-Chat-1M; no weights or tokenizer needed: prompts are token ids,
+(Llama-3.1-8B, GLM-4-9B-Chat-1M by default; the hybrid shapes Gemma-3-12B and gpt-oss-20b with
+``--models``, their prefixes by prefill; no weights or tokenizer needed: prompts are token ids,
 ``skip_tokenizer_init``). Each (model, backend) runs in its own engine process, its
 ``max_model_len`` set by the longest context and its batch limit by the largest batch (as a server
 is configured once for all requests; the LOCKS plans' grids are sized by ``max_model_len``); for
@@ -56,7 +57,10 @@ import time
 from pathlib import Path
 
 CONFIGS = Path(__file__).parent / "configs"
-MODELS = ("llama3.1-8b", "glm4-9b-1m")
+DEFAULT_MODELS = ("llama3.1-8b", "glm4-9b-1m")
+# hybrid shapes: Gemma-3-12B (5 sliding-window layers of 1,024 tokens per global one, head_dim 256) and
+# gpt-oss-20b (alternating 128-token windows, learned sinks, 32 experts in bf16: about 42 GB of weights)
+MODELS = (*DEFAULT_MODELS, "gemma3-12b", "gpt-oss-20b")
 BACKENDS = ("FLASH_ATTN", "LOCKS", "LOCKS_SPARSE")  # LOCKS_SPARSE: dense_below 0, every row over the budget selects
 DENSE_BELOW = {"LOCKS": "auto", "LOCKS_SPARSE": 0}
 PREFIXES = ("prefill", "connector")
@@ -68,22 +72,38 @@ def _config(model: str) -> dict:
     return json.loads((CONFIGS / model / "config.json").read_text())
 
 
+def window_layers(cfg: dict) -> int:
+    """Layers whose keys are bounded by a sliding window (``layer_types``; none in a dense model)."""
+    return sum(t == "sliding_attention" for t in cfg.get("layer_types") or [])
+
+
 def kv_bytes_per_token(cfg: dict) -> int:
-    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2 * 2  # K and V, bf16
+    """K and V bytes (bf16) per context token: the global layers' (a window layer holds at most its
+    window per request, :func:`kv_bytes_per_request`)."""
+    layers = cfg["num_hidden_layers"] - window_layers(cfg)
+    return layers * cfg["num_key_value_heads"] * cfg["head_dim"] * 2 * 2
+
+
+def kv_bytes_per_request(cfg: dict) -> int:
+    """K and V bytes (bf16) of one request's window layers: the window and one 16-token block."""
+    return window_layers(cfg) * ((cfg.get("sliding_window") or 0) + 16) * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
 
 
 def weight_bytes(cfg: dict) -> int:
+    """bf16 weight bytes: attention and gated MLP (times the experts of a mixture) per layer, the
+    embeddings (once when tied)."""
     h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
-    return 2 * (layers * per_layer + 2 * v * h)
+    experts = cfg.get("num_local_experts") or 1
+    per_layer = h * (q + 2 * kv) + q * h + experts * 3 * h * i
+    return 2 * (layers * per_layer + (1 if cfg.get("tie_word_embeddings") else 2) * v * h)
 
 
 def longest_context(cfg: dict, batch: int, total_bytes: int, new_tokens: int) -> int:
     """The longest context whose ``batch`` requests fit the KV pool (a multiple of 16K) and the
     model's positions (a multiple of 1K)."""
-    pool = (GPU_UTIL * total_bytes - weight_bytes(cfg) - 6 * 2**30) / kv_bytes_per_token(cfg)  # 6 GiB: activations
-    by_pool = (int(pool) // batch - new_tokens - 16) // ROUND * ROUND
+    pool = GPU_UTIL * total_bytes - weight_bytes(cfg) - 6 * 2**30 - batch * kv_bytes_per_request(cfg)  # 6 GiB: activations
+    by_pool = (int(pool / kv_bytes_per_token(cfg)) // batch - new_tokens - 16) // ROUND * ROUND
     by_positions = (cfg["max_position_embeddings"] - new_tokens - 16) // 1024 * 1024
     return min(by_pool, by_positions)
 
@@ -306,7 +326,7 @@ def _facts() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=MODELS)
     ap.add_argument("--contexts", nargs="+", default=["32768", "131072", "max"],
                     help="token counts or 'max', each optionally with its own batch sizes: 262144:1 (default: --batches)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
@@ -341,6 +361,11 @@ def main(argv=None) -> int:
             ap.error(f"--contexts: {exc}")
     too_long = [c for c in args.contexts if c.partition(":")[0].isdigit() and
                 int(c.partition(":")[0]) > args.max_context]
+    hybrid = [m for m in args.models if window_layers(_config(m))]
+    if hybrid and args.prefix == "connector":
+        ap.error(f"--prefix connector: {hybrid} have sliding-window layers, whose blocks vLLM's hybrid KV cache "
+                 f"manager keeps per layer group; the random-prefix connector writes dense models only "
+                 f"({', '.join(DEFAULT_MODELS)}); use --prefix prefill")
     if too_long and args.prefix == "prefill":
         ap.error(f"--contexts {too_long}: above --max-context {args.max_context}, too long to prefill in one GPU "
                  "command; use --prefix connector (or raise --max-context)")
