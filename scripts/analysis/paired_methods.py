@@ -31,6 +31,11 @@ def load(path: Path) -> dict:
     return cells
 
 
+def _mean(xs: list) -> float | None:
+    """The mean, or None where a row has no value (rows served through vLLM carry no KL)."""
+    return None if any(x is None for x in xs) else sum(xs) / len(xs)
+
+
 def compare(pairs: list[tuple[dict, dict, dict | None]]) -> dict:
     """Paired statistics of ``[(method row, reference row, full row or None)]``."""
     a = [m["score"] for m, _, _ in pairs]
@@ -39,8 +44,8 @@ def compare(pairs: list[tuple[dict, dict, dict | None]]) -> dict:
     full = [f["score"] for _, _, f in pairs if f is not None]
     return {"n": len(pairs), "method": sum(a) / len(a), "reference": sum(b) / len(b),
             "diff": ci.mean, "low": ci.low, "high": ci.high,
-            "kl_method": sum(m["kl"] for m, _, _ in pairs) / len(pairs),
-            "kl_reference": sum(r["kl"] for _, r, _ in pairs) / len(pairs),
+            "kl_method": _mean([m.get("kl") for m, _, _ in pairs]),
+            "kl_reference": _mean([r.get("kl") for _, r, _ in pairs]),
             "full": sum(full) / len(full) if full else None}
 
 
@@ -67,6 +72,10 @@ def analyse(cells: dict, methods: list[str], against: str) -> list[dict]:
     return out
 
 
+def _kl(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def table(rows: list[dict], against: str) -> str:
     head = (f"| task | length | budget | method | n | full % | method % | {against} % | "
             f"method − {against} (95 % CI) | KL method | KL {against} |")
@@ -75,8 +84,8 @@ def table(rows: list[dict], against: str) -> str:
         full = "-" if r["full"] is None else f"{100 * r['full']:.0f}"
         lines.append(f"| {r['task']} | {r['length']} | {r['budget']} | {r['name']} | {r['n']} | {full} | "
                      f"{100 * r['method']:.1f} | {100 * r['reference']:.1f} | {100 * r['diff']:+.1f} "
-                     f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] | {r['kl_method']:.3f} | "
-                     f"{r['kl_reference']:.3f} |")
+                     f"[{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] | {_kl(r['kl_method'])} | "
+                     f"{_kl(r['kl_reference'])} |")
     return "\n".join(lines)
 
 

@@ -53,3 +53,21 @@ def test_full_as_reference_pairs_every_budget(tmp_path):
     assert (low["n"], low["method"], low["reference"], low["diff"]) == (4, 0.25, 0.75, -0.5)
     assert (high["n"], high["diff"], high["low"], high["high"]) == (4, 0.0, 0.0, 0.0)
     assert abs(low["kl_reference"]) < 1e-12 and abs(low["kl_method"] - 0.4) < 1e-12
+
+
+def test_rows_without_kl_pair_by_score_and_print_no_kl(tmp_path):
+    """Rows served through vLLM carry no KL: their pairs are scored, their KL reported as missing."""
+    rows = []
+    for i in range(3):
+        rows += [_row("a", i, "locks", 512, float(i < 2), 0.1), _row("a", i, "vllm_locks", 512, float(i < 1), None)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "paired.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "--against", "locks", "--methods", "vllm_locks",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = {(r["task"], r["budget"]): r for r in json.loads(out.read_text())}
+    a = got[("a", 512)]
+    assert (a["n"], a["method"], a["reference"], a["kl_method"]) == (3, 1 / 3, 2 / 3, None)
+    assert abs(a["kl_reference"] - 0.1) < 1e-12
+    assert "| a | 2048 | 512 | vllm_locks | 3 | - | 33.3 | 66.7 | -33.3" in proc.stdout and "| - | 0.100 |" in proc.stdout
