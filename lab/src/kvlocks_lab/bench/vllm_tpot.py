@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvlocks_lab.bench import engine_process
+from kvlocks_lab.bench.shape_bytes import kv_bytes_per_request, kv_bytes_per_token, weight_bytes, window_layers
 
 CONFIGS = Path(__file__).parent / "configs"
 DEFAULT_MODELS = ("llama3.1-8b", "glm4-9b-1m")
@@ -70,33 +72,6 @@ ROUND = 16384
 
 def _config(model: str) -> dict:
     return json.loads((CONFIGS / model / "config.json").read_text())
-
-
-def window_layers(cfg: dict) -> int:
-    """Layers whose keys are bounded by a sliding window (``layer_types``; none in a dense model)."""
-    return sum(t == "sliding_attention" for t in cfg.get("layer_types") or [])
-
-
-def kv_bytes_per_token(cfg: dict) -> int:
-    """K and V bytes (bf16) per context token: the global layers' (a window layer holds at most its
-    window per request, :func:`kv_bytes_per_request`)."""
-    layers = cfg["num_hidden_layers"] - window_layers(cfg)
-    return layers * cfg["num_key_value_heads"] * cfg["head_dim"] * 2 * 2
-
-
-def kv_bytes_per_request(cfg: dict) -> int:
-    """K and V bytes (bf16) of one request's window layers: the window and one 16-token block."""
-    return window_layers(cfg) * ((cfg.get("sliding_window") or 0) + 16) * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
-
-
-def weight_bytes(cfg: dict) -> int:
-    """bf16 weight bytes: attention and gated MLP (times the experts of a mixture) per layer, the
-    embeddings (once when tied)."""
-    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    experts = cfg.get("num_local_experts") or 1
-    per_layer = h * (q + 2 * kv) + q * h + experts * 3 * h * i
-    return 2 * (layers * per_layer + (1 if cfg.get("tie_word_embeddings") else 2) * v * h)
 
 
 def longest_context(cfg: dict, batch: int, total_bytes: int, new_tokens: int) -> int:
@@ -282,22 +257,11 @@ def _profile_cell(llm, prompts, params, steps: int, backend: str) -> dict:
 
 
 def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
-    name = f"{spec['model']}_{spec['backend']}"
-    spec_path, res_path, log = out / f"{name}.spec.json", out / f"{name}.rows.json", out / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    env.pop("KVLOCKS_VLLM_CONFIG", None)  # the LOCKS engine enables itself; FLASH_ATTN stays stock
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run([sys.executable, "-m", "kvlocks_lab.bench.vllm_tpot", "--worker", str(spec_path),
-                                 str(res_path)], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0:
-        tail = "\n".join(log.read_text().splitlines()[-15:])
+    res, _ = engine_process.run("kvlocks_lab.bench.vllm_tpot", spec, out, f"{spec['model']}_{spec['backend']}", timeout)
+    if isinstance(res, engine_process.Failure):
         return [{"model": spec["model"], "backend": spec["backend"], "cells": spec["cells"],
-                 "prefix": spec.get("prefix"), "error": f"rc {rc}", "log_tail": tail}]
-    return json.loads(res_path.read_text())
+                 "prefix": spec.get("prefix"), "error": res.error, "log_tail": "\n".join(res.log_tail[-15:])}]
+    return res
 
 
 def _facts() -> dict:
@@ -347,9 +311,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        rows = _worker(json.loads(Path(args.worker[0]).read_text()))
-        Path(args.worker[1]).write_text(json.dumps(rows))
-        return 0
+        return engine_process.worker_main(args.worker, _worker)
     if args.out is None:
         ap.error("--out is required")
     if args.new_tokens < 2 or any(b < 1 for b in args.batches):

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,23 +69,15 @@ def _worker(spec: dict) -> dict:
 
 
 def run_engine(spec: dict, out: Path, name: str, timeout: int) -> dict:
-    """One engine in its own process (the engine core in it); its result, or an error with the log's tail."""
-    spec_path, res_path, log = out / f"{name}.spec.json", out / f"{name}.out.json", out / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    env.pop("KVLOCKS_VLLM_CONFIG", None)  # the LOCKS engines enable themselves; stock stays stock
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run([sys.executable, "-m", "kvlocks_lab.eval.vllm_tasks", "--worker", str(spec_path),
-                                 str(res_path)], env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    text = log.read_text(errors="replace")
+    """One engine in its own process: its result with the plugin's layer table lines from its log,
+    or an error with the log's tail."""
+    from kvlocks_lab.bench import engine_process
+
+    res, text = engine_process.run("kvlocks_lab.eval.vllm_tasks", spec, out, name, timeout)
     layers = [line.split("] ", 1)[-1] for line in text.splitlines() if any(k in line for k in LAYER_LINES)]
-    if rc != 0:
-        return {"error": f"rc {rc}", "log_tail": text.splitlines()[-20:], "layer_table": layers}
-    return {**json.loads(res_path.read_text()), "layer_table": layers}
+    if isinstance(res, engine_process.Failure):
+        return {"error": res.error, "log_tail": res.log_tail, "layer_table": layers}
+    return {**res, "layer_table": layers}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -132,9 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        res = _worker(json.loads(Path(args.worker[0]).read_text()))
-        Path(args.worker[1]).write_text(json.dumps(res))
-        return 0
+        from kvlocks_lab.bench.engine_process import worker_main
+
+        return worker_main(args.worker, _worker)
     if args.out is None:
         ap.error("--out is required")
     from kvlocks.models import resolve
