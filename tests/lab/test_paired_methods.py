@@ -8,6 +8,16 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "analysis" / "paired_methods.py"
 
 
+def _run(tmp_path, rows, *args):
+    """The script on ``rows``: ``(its stdout, {(task, budget): paired row})``."""
+    path, out = tmp_path / "rows.jsonl", tmp_path / "paired.json"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), *args, "--out", str(out)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, {(r["task"], r["budget"]): r for r in json.loads(out.read_text())}
+
+
 def _row(task, index, method, budget, score, kl):
     return {"task": task, "length": 2048, "index": index, "method": method, "budget": budget, "score": score,
             "kl": kl}
@@ -60,14 +70,8 @@ def test_rows_without_kl_pair_by_score_and_print_no_kl(tmp_path):
     rows = []
     for i in range(3):
         rows += [_row("a", i, "locks", 512, float(i < 2), 0.1), _row("a", i, "vllm_locks", 512, float(i < 1), None)]
-    path = tmp_path / "rows.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    out = tmp_path / "paired.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "--against", "locks", "--methods", "vllm_locks",
-                           "--out", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    got = {(r["task"], r["budget"]): r for r in json.loads(out.read_text())}
+    stdout, got = _run(tmp_path, rows, "--against", "locks", "--methods", "vllm_locks")
     a = got[("a", 512)]
     assert (a["n"], a["method"], a["reference"], a["kl_method"]) == (3, 1 / 3, 2 / 3, None)
     assert abs(a["kl_reference"] - 0.1) < 1e-12
-    assert "| a | 2048 | 512 | vllm_locks | 3 | - | 33.3 | 66.7 | -33.3" in proc.stdout and "| - | 0.100 |" in proc.stdout
+    assert "| a | 2048 | 512 | vllm_locks | 3 | - | 33.3 | 66.7 | -33.3" in stdout and "| - | 0.100 |" in stdout
