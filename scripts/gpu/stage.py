@@ -245,7 +245,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="here: download/build the bundles and split them into parts")
-    p.add_argument("bundles", nargs="+", help="any of: tests, model, vllm, gemma")
+    p.add_argument("bundles", nargs="+", help="any of: tests, model, vllm, vllm024, gemma")
     p.add_argument("--name", help="staging name (default: the bundle names joined by '-')")
     p.add_argument("--out", type=Path, default=REPO / ".device" / "stage", help="parts go to OUT/NAME/partNN")
     p.add_argument("--cache", type=Path, default=REPO / ".device" / "cache", help="downloads, kept for reruns")

@@ -9,6 +9,10 @@ Bundles (``BUNDLES``):
 - ``vllm``: the vLLM wheel for the device's torch 2.11 / CUDA 13 (``VLLM``) and the packages it
   imports that the device image lacks (``VLLM_ROOTS``, their own requirements followed), one version
   of each; vLLM's other requirements are left out on purpose (``NOT_CARRIED`` says why);
+- ``vllm024``: the same for vLLM 0.24.0 (``VLLM_024``, ``VLLM_024_ROOTS``), whose FlashAttention
+  cache layout the reference implementation locks-kv 0.1.4 reads, with the FlashInfer 0.6.12 wheels
+  it pins (``FLASHINFER_024``) and the locks-kv wheel (``LOCKS_KV``); installed into the same
+  ``/tmp/site``, it replaces the ``vllm`` bundle's vLLM, so the two are never staged together;
 - ``gemma``: the Gemma 3 270M GGUF (assembled beforehand, ``--gemma-gguf``), under the device's
   model folder, exported as ``GEMMA_GGUF``, and the tokenizer files of this venv's conversion of it
   (the device's transformers converts the GGUF's tokenizer without <bos> and with broken merges:
@@ -60,14 +64,29 @@ VLLM_ROOTS = ["cachetools", "cbor2", "msgspec", "pybase64", "pyzmq>=25.0.0", "py
               "apache-tvm-ffi==0.1.10", "fastapi>=0.133.0,<0.137.0", "starlette>=1.0.1", "setproctitle",
               "uvicorn", "watchfiles", "python-multipart", "prometheus-fastapi-instrumentator>=8.0.0",
               "model-hosting-container-standards>=0.1.14,<1.0.0"]
+VLLM_024 = "vllm==0.24.0"  # pins torch==2.11.0 too; caches K/V as (num_blocks, 2, block_size, Hkv, D)
+# vLLM 0.24 pins apache-tvm-ffi 0.1.9 (flashinfer 0.6.12 loads its kernels through it). xgrammar 0.2.3: the
+# newest that admits it and the image's transformers 5.17 and has every xgrammar name 0.24's sources import
+# (0.2.6 and 0.2.7 need apache-tvm-ffi >= 0.1.10, 0.2.5.post1 transformers < 5; no 0.2.4 wheel fits the device)
+VLLM_024_ROOTS = [r for r in VLLM_ROOTS if not r.startswith(("xgrammar", "apache-tvm-ffi"))] + [
+    "xgrammar==0.2.3", "apache-tvm-ffi==0.1.9"]
+# vLLM 0.24's pins, carried as vllm is (requirements not followed): `import flashinfer` needs only
+# apache-tvm-ffi and nvidia-ml-py besides the image's packages; its other requirements are imported
+# by the kernels that use them (NOT_CARRIED)
+FLASHINFER_024 = ("flashinfer-python==0.6.12", "flashinfer-cubin==0.6.12")
+LOCKS_KV = "locks-kv==0.1.4"  # the reference implementation (pure Python; needs torch >= 2.4, triton >= 3.0)
 FORCE = {"typing-extensions"}  # pydantic 2.12 needs >= 4.14.1; the image's version was not read: carry it
-VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # its sampler needs flashinfer-python, not carried
-NOT_CARRIED = {  # vllm requirements left out, and why (the device check lists them apart)
+# vLLM's FlashInfer sampler: flashinfer is not carried with 0.26; off with 0.24 too, so both sample alike
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+# requirements of vllm (and of the FlashInfer wheels) left out, and why (the device check lists them apart)
+NOT_CARRIED = {
     "torch torchaudio torchvision numba setuptools": "the image's own versions (vllm's pins conflict, unused)",
     "flashinfer-python tilelang nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels "
-    "nvidia-cudnn-frontend": "kernels vLLM picks only for other chips or models; FlashAttention 3 ships in vllm",
+    "nvidia-cudnn-frontend cuda-tile": "kernels vLLM picks only for other chips or models; FlashAttention 3 "
+    "ships in vllm",
     "torchcodec pynvvideocodec mistral-common blake3 fastsafetensors": "multimodal inputs, other loaders",
-    "lm-format-enforcer outlines-core lark jsonschema": "structured-output backends other than xgrammar/guidance",
+    "lm-format-enforcer outlines-core lark jsonschema diskcache": "structured-output backends other than "
+    "xgrammar/guidance",
     "compressed-tensors depyf ijson python-json-logger nvtx": "quantized checkpoints, debugging, logging options",
     "anthropic mcp opentelemetry-sdk opentelemetry-api opentelemetry-exporter-otlp "
     "opentelemetry-semantic-conventions-ai": "other server APIs, tool servers and tracing",
@@ -170,16 +189,29 @@ def bundle_model(args) -> tuple[list[dict], dict, dict]:
     return files + _wheels(resolve([f"gguf=={gguf_version}"], args.cache / "wheels")), {}, {}
 
 
-def bundle_vllm(args) -> tuple[list[dict], dict, dict]:
-    wheels = resolve([VLLM], args.cache / "wheels", follow=False)
-    wheels.update(resolve(VLLM_ROOTS, args.cache / "wheels", force=frozenset(FORCE)))
+def bundle_vllm(args, vllm: str = VLLM, roots: list[str] = VLLM_ROOTS,
+                pinned: tuple[str, ...] = ()) -> tuple[list[dict], dict, dict]:
+    """``vllm`` and ``pinned`` (wheels it pins, carried like it: their requirements not followed),
+    ``roots`` with their requirements; each requirement of those not followed is carried, on the
+    device or explained in ``NOT_CARRIED``."""
+    wheels = resolve([vllm, *pinned], args.cache / "wheels", follow=False)
+    wheels.update(resolve(roots, args.cache / "wheels", force=frozenset(FORCE)))
     reasons = {norm(n): why for names, why in NOT_CARRIED.items() for n in names.split()}
     have = device_packages()
-    left = {norm(r.name) for r in wheel_requires(wheels["vllm"])} - set(wheels) - set(have)
+    unfollowed = [norm(Requirement(r).name) for r in (vllm, *pinned)]
+    left = {norm(r.name) for k in unfollowed for r in wheel_requires(wheels[k])} - set(wheels) - set(have)
     unexplained = left - set(reasons)
     if unexplained:
-        raise SystemExit(f"vllm requires {sorted(unexplained)}: add them to VLLM_ROOTS or NOT_CARRIED")
+        raise SystemExit(f"{', '.join(unfollowed)} require {sorted(unexplained)}: add them to the roots or "
+                         "NOT_CARRIED")
     return _wheels(wheels), dict(VLLM_ENV), {k: v for k, v in reasons.items() if k in left or k in have}
+
+
+def bundle_vllm024(args) -> tuple[list[dict], dict, dict]:
+    """vLLM 0.24.0 as ``bundle_vllm`` stages 0.26.0, with its FlashInfer pins; locks-kv with what the
+    device lacks of its requirements."""
+    files, env, not_carried = bundle_vllm(args, VLLM_024, VLLM_024_ROOTS, FLASHINFER_024)
+    return files + _wheels(resolve([LOCKS_KV], args.cache / "wheels")), env, not_carried
 
 
 def bundle_gemma(args) -> tuple[list[dict], dict, dict]:
@@ -206,7 +238,9 @@ TOKENIZER_DIR = ("from transformers import AutoTokenizer; from kvlocks.models.bu
                  "check_tokenizer('gemma3-270m', AutoTokenizer.from_pretrained(d, local_files_only=True)); print(d)")
 
 
-BUNDLES = {"tests": bundle_tests, "model": bundle_model, "vllm": bundle_vllm, "gemma": bundle_gemma}
+BUNDLES = {"tests": bundle_tests, "model": bundle_model, "vllm": bundle_vllm, "vllm024": bundle_vllm024,
+           "gemma": bundle_gemma}
+EXCLUSIVE = ({"vllm", "vllm024"},)  # bundles that install the same package (vllm) into /tmp/site
 
 
 def tree_bytes() -> int:
@@ -260,6 +294,9 @@ def prepare(args) -> None:
     unknown = set(args.bundles) - set(BUNDLES)
     if unknown:
         raise SystemExit(f"bundles {sorted(unknown)}: allowed {sorted(BUNDLES)}")
+    for group in EXCLUSIVE:
+        if len(group & set(args.bundles)) > 1:
+            raise SystemExit(f"bundles {sorted(group)} install the same package: stage one of them")
     files, env, not_carried = [], {}, {}
     for b in args.bundles:
         f, e, n = BUNDLES[b](args)

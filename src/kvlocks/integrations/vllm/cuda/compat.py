@@ -13,13 +13,16 @@ both the layer's cache is ``(num_blocks, Hkv, block_size, 2 * D)`` (0.26:
 ``[num_blocks, block_size, Hkv, 2 * D]`` (layout "NHD", the default) or as shaped ("HND"), and the
 backend reads it as ``kv_cache.transpose(1, 2).split(D, dim=-1)``: keys
 and values ``[num_blocks, block_size, Hkv, D]`` with a unit last stride, the layout kvlocks' paged
-kernels take (``docs/paged-layout.md``). Older vLLMs stored ``[2, num_blocks, block_size, Hkv, D]``;
-:func:`split_flash_kv_cache` reads both.
+kernels take (``docs/paged-layout.md``). vLLM 0.24.0 shapes it ``(num_blocks, 2, block_size, Hkv, D)``
+(stored so, "NHD", or ``[num_blocks, 2, Hkv, block_size, D]``, "HND") and reads it as
+``kv_cache.unbind(1)``; older vLLMs stored ``[2, num_blocks, block_size, Hkv, D]``.
+:func:`split_flash_kv_cache` reads all three (:data:`KV_FORMS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -81,22 +84,68 @@ def is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+# The FlashAttention cache conventions kvlocks reads, by the logical shape vLLM gives the layer's tensor:
+KV_FORMS = {
+    "packed": "[NB, Hkv, BS, 2D], read as kv_cache.transpose(1, 2).split(D, -1) (vLLM 0.26-0.32)",
+    "blocks_first": "[NB, 2, BS, Hkv, D], read as kv_cache.unbind(1) (vLLM 0.24)",
+    "kv_first": "[2, NB, BS, Hkv, D], read as kv_cache.unbind(0) (older vLLMs)",
+}
+
+
+def kv_forms(shape, num_kv_heads: int, head_size: int) -> list[str]:
+    """The :data:`KV_FORMS` a cache of logical ``shape`` can be: one, none, or at ``NB = 2`` both 5-dim forms."""
+    shape, h, d = tuple(shape), num_kv_heads, head_size
+    forms = []
+    if len(shape) == 4 and shape[1] == h and shape[3] == 2 * d:
+        forms.append("packed")
+    if len(shape) == 5 and shape[1] == 2 and shape[3:] == (h, d):
+        forms.append("blocks_first")
+    if len(shape) == 5 and shape[0] == 2 and shape[3:] == (h, d):
+        forms.append("kv_first")
+    return forms
+
+
+@functools.lru_cache(maxsize=None)
+def declared_kv_form(num_kv_heads: int, head_size: int) -> str | None:
+    """The :data:`KV_FORMS` entry vLLM's stock ``FlashAttentionBackend.get_kv_cache_shape`` declares,
+    asked for 3 blocks of 16 tokens (3 blocks: no form is ambiguous); None where the backend has no
+    such method (vLLM 0.32 moved it to ``kv_cache_interface``)."""
+    get_shape = getattr(stock_flash_classes()[0], "get_kv_cache_shape", None)
+    if get_shape is None:
+        return None
+    shape = tuple(get_shape(3, 16, num_kv_heads, head_size))
+    forms = kv_forms(shape, num_kv_heads, head_size)
+    if len(forms) != 1:
+        raise VllmCompatError(f"FlashAttentionBackend.get_kv_cache_shape(3, 16, {num_kv_heads}, {head_size}) = "
+                              f"{shape} is none of the known forms {KV_FORMS} (vLLM {vllm_version()})")
+    return forms[0]
+
+
 def split_flash_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int):
     """One layer's FlashAttention cache -> ``(keys, values)``, each a view ``[NB, BS, Hkv, D]``.
 
-    ``kv_cache`` is ``[NB, Hkv, BS, 2D]`` as vLLM 0.26-0.32 shape it (any stride order), or
-    ``[2, NB, BS, Hkv, D]`` as earlier versions did.
+    ``kv_cache`` in any of :data:`KV_FORMS` (any stride order), recognised by its shape; a 5-dim
+    cache of 2 blocks fits both 5-dim forms, and the form the stock backend declares
+    (:func:`declared_kv_form`) decides.
     """
     d = head_size
-    if kv_cache.dim() == 4 and kv_cache.shape[1] == num_kv_heads and kv_cache.shape[3] == 2 * d:
-        keys, values = kv_cache.transpose(1, 2).split(d, dim=-1)  # as FlashAttentionImpl reads it
-    elif kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3:] == (num_kv_heads, d):
-        keys, values = kv_cache.unbind(0)
-    else:
+    forms = kv_forms(kv_cache.shape, num_kv_heads, d)
+    if len(forms) > 1:
+        declared = declared_kv_form(num_kv_heads, d)
+        if declared not in forms:
+            raise VllmCompatError(
+                f"FlashAttention KV cache shape {tuple(kv_cache.shape)} fits {forms} and the stock backend "
+                f"declares {declared}: cannot tell which (vLLM {vllm_version()})")
+        forms = [declared]
+    if not forms:
         raise VllmCompatError(
             f"unknown FlashAttention KV cache shape {tuple(kv_cache.shape)}: expected [num_blocks, "
-            f"Hkv={num_kv_heads}, block_size, 2*D={2 * d}] or [2, num_blocks, block_size, Hkv, D] "
-            f"(vLLM {vllm_version()})")
+            f"Hkv={num_kv_heads}, block_size, 2*D={2 * d}], [num_blocks, 2, block_size, Hkv, D] or "
+            f"[2, num_blocks, block_size, Hkv, D] (vLLM {vllm_version()})")
+    if forms[0] == "packed":
+        keys, values = kv_cache.transpose(1, 2).split(d, dim=-1)  # as FlashAttentionImpl reads it
+    else:
+        keys, values = kv_cache.unbind(1 if forms[0] == "blocks_first" else 0)  # [NB, BS, Hkv, D] each
     if keys.stride(-1) != 1 or keys.stride() != values.stride():
         raise VllmCompatError(f"KV cache views with strides {keys.stride()} / {values.stride()}: the kernels "
                               "need equal key/value strides and a unit stride along head_dim")
