@@ -14,7 +14,8 @@ with prefix caching forces preemption. Counted: ``requests``, ``wrong_tokens`` (
 whose tokens differ from the same request served alone by the LOCKS backend; the compacted files
 against the Hugging Face path), ``stale_summaries`` (summaries used that were built from other keys:
 ``KVLOCKS_VLLM_VERIFY`` in the server, its counters written at exit), ``refusals`` (status and
-reason), ``preemptions``, ``server_alive``, ``final_request_correct``, ``peak_gpu_memory`` against
+reason), ``hostile`` and ``hostile_violations`` (what the hostile files' requests got, against what
+is allowed: :func:`hostile_outcomes`), ``preemptions``, ``server_alive``, ``final_request_correct``, ``peak_gpu_memory`` against
 the configured share (``nvidia-smi`` sampled every second). vLLM preempts by recomputation, so a
 preempted sparse request may continue differently from its run alone (docs/vllm.md, reuse test):
 ``wrong_tokens`` lists them with the first differing position for that reason.
@@ -249,6 +250,24 @@ def stale_summaries(args, out: Path) -> int | None:
     return sum(c.get("stale_used", 0) for c in found) if found else None
 
 
+def hostile_outcomes(plan, rows: dict, files) -> list[dict]:
+    """What each hostile file's request got, and whether that is allowed: the file for other weights
+    is refused (its header); the tampered one (``tests/vllm/compact_ref.py`` changes a data byte of
+    file a's and keeps its header, so its checksum and placeholder ids are file a's) is refused when
+    its data is read, or, when vLLM's prefix cache already holds every placeholder block from a load
+    of file a, continues that validated content: file a's reference tokens exactly."""
+    out = []
+    for r in (r for r in plan if r["kind"] == "hostile"):
+        got = rows[r["id"]]
+        refused = got["error"] is not None or got["finish"] not in ("length", "stop")
+        if r["id"] == "hostile_tampered" and not refused:
+            ok, outcome = got["tokens"] == files["hf"][f"a|{Q1}"], "served file a's cached prefix"
+        else:
+            ok, outcome = refused, "refused" if refused else "served"
+        out.append({"id": r["id"], "outcome": outcome, "status": got["status"], "ok": ok})
+    return out
+
+
 def summary(args, plan, files, res, alone, out: Path) -> dict:
     from kvlocks_lab.bench.serve_load import summarize
 
@@ -265,6 +284,7 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
                          min(len(got["tokens"]), len(want)))
             wrong.append({"id": rid, "first_difference": first, "prompt_tokens": got["prompt_tokens"]})
     share = None if args.cpu or not res.get("gpu_total_mib") else round(args.share * res["gpu_total_mib"])
+    hostile = hostile_outcomes(plan, rows, files) if files else []
     return {
         "date": time.strftime("%Y-%m-%d"), "device": "cpu" if args.cpu else "cuda",
         "server": {k: v for k, v in vars(args).items() if k not in ("out",)}, "startup_s": res.get("startup_s"),
@@ -272,6 +292,8 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
         "wrong_tokens": len(wrong), "wrong": wrong, "compared": len(expected),
         "stale_summaries": stale_summaries(args, out),
         "refusals": [{"id": r["id"], "status": r["status"], "reason": r["error"]} for r in res["rows"] if r["error"]],
+        "hostile": hostile,
+        "hostile_violations": sum(not h["ok"] for h in hostile),
         "preemptions": res.get("preemptions"), "soak": res.get("soak"), "server_alive": res.get("server_alive"),
         "final_request_correct": res["final"][0]["tokens"] == alone[0] if res.get("final") else False,
         "peak_gpu_memory_mib": res.get("peak_gpu_memory_mib"), "configured_share_mib": share,
