@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvlocks_lab import require_extras
+from kvlocks_lab.commands import csv_of
 
 METHODS_HELP = (
     "comma-separated methods. 'full' (dense attention, always run as the reference); selectors "
@@ -21,10 +22,6 @@ def _joined(values) -> str:
     return ",".join(map(str, values))
 
 
-def _csv(kind):
-    return lambda s: tuple(kind(x) for x in s.split(",") if x)
-
-
 def add_parser(sub) -> None:
     from kvlocks.commands.common import HelpFormatter
     from kvlocks.compaction.config import METHODS as COMPACTIONS
@@ -39,15 +36,15 @@ def add_parser(sub) -> None:
                    help="your own records, one JSON object per line (messages or text, question, answer_prefix, "
                         "answers, scorer: see docs/evaluation.md); replaces --tasks, --lengths, --samples, "
                         "--seed and --ppl-tokens")
-    p.add_argument("--tasks", type=_csv(str), default=None,
+    p.add_argument("--tasks", type=csv_of(str), default=None,
                    help=f"comma-separated tasks from {', '.join(task_names())}; ppl_continuation scores "
                         "the perplexity of natural-text continuations (see --ppl-tokens) "
                         f"(default: {_joined(d['tasks'].default)})")
-    p.add_argument("--lengths", type=_csv(int), default=None,
+    p.add_argument("--lengths", type=csv_of(int), default=None,
                    help=f"target lengths L in tokens (default: {_joined(d['lengths'].default)})")
-    p.add_argument("--budgets", type=_csv(int), default=_joined(d["budgets"].default),
+    p.add_argument("--budgets", type=csv_of(int), default=_joined(d["budgets"].default),
                    help="selector budgets: tokens attended per layer and KV head at a decode step")
-    p.add_argument("--methods", type=_csv(str), default=_joined(d["methods"].default),
+    p.add_argument("--methods", type=csv_of(str), default=_joined(d["methods"].default),
                    help=METHODS_HELP.format(selectors=", ".join(m for m in method_names() if m != "full"),
                                             compactions=", ".join(COMPACTIONS)))
     p.add_argument("--samples", type=int, default=None,

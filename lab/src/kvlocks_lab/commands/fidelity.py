@@ -5,10 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvlocks_lab import require_extras
-
-
-def _csv(kind):
-    return lambda s: tuple(kind(x) for x in s.split(",") if x)
+from kvlocks_lab.commands import csv_of
 
 
 def add_parser(sub) -> None:
@@ -18,16 +15,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("fidelity", help="measure selector fidelity on captured activations (rows.jsonl, "
                                         "summary.json, PNG figures)")
     p.add_argument("--model", default=d["model"].default, help="bundled model name or local HF directory")
-    p.add_argument("--budgets", type=_csv(int), default=d["budgets"].default, help="comma-separated tokens")
-    p.add_argument("--selectors", type=_csv(str), default=(), help="comma-separated variants (default: all "
+    p.add_argument("--budgets", type=csv_of(int), default=d["budgets"].default, help="comma-separated tokens")
+    p.add_argument("--selectors", type=csv_of(str), default=(), help="comma-separated variants (default: all "
                    "of kvlocks_lab.fidelity.variants.DEFAULT_VARIANTS)")
-    p.add_argument("--tasks", type=_csv(str), default=d["tasks"].default, help="needle tasks")
+    p.add_argument("--tasks", type=csv_of(str), default=d["tasks"].default, help="needle tasks")
     p.add_argument("--samples", type=int, default=d["samples"].default, help="records per task")
     p.add_argument("--text-records", type=int, default=d["text_records"].default, help="plain prose prompts")
     p.add_argument("--length", type=int, default=d["length"].default, help="prompt tokens")
     p.add_argument("--queries", type=int, default=d["queries"].default, help="query steps per prompt")
-    p.add_argument("--layers", type=_csv(int), default=(), help="layer indices (default: all)")
-    p.add_argument("--kv-heads", type=_csv(int), default=(), help="KV head indices (default: all)")
+    p.add_argument("--layers", type=csv_of(int), default=(), help="layer indices (default: all)")
+    p.add_argument("--kv-heads", type=csv_of(int), default=(), help="KV head indices (default: all)")
     p.add_argument("--rank", type=int, default=d["rank"].default)
     p.add_argument("--calib-tokens", type=int, default=d["calib_tokens"].default)
     p.add_argument("--seed", type=int, default=0)

@@ -2,8 +2,8 @@
 (stock ``FLASH_ATTN`` / CPU attention, then the LOCKS backend at each budget), answered greedily and
 scored the same way.
 
-    python -m kvlocks_lab.eval.vllm_tasks --out DIR --model gemma3-270m --tasks passkey niah_multikey \
-        --lengths 8192 16384 32768 --samples 20 --budgets 512 2048 [--exact] [--device cuda|cpu]
+    python -m kvlocks_lab.eval.vllm_tasks --out DIR --model gemma3-270m --tasks passkey,niah_multikey \
+        --lengths 8192,16384,32768 --samples 20 --budgets 512,2048 [--exact] [--device cuda|cpu]
 
 Rows go to ``DIR/rows.jsonl`` in the eval's format, methods ``vllm_full`` (stock attention, no
 budget) and ``vllm_locks`` (one engine per budget), so that ``scripts/analysis/paired_methods.py``
@@ -106,14 +106,17 @@ def rows_of(records, tokens: list[list[int]], method: str, budget, tok, eos: set
 
 
 def main(argv=None) -> int:
+    from kvlocks_lab.commands import csv_of
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--model", default="gemma3-270m", help="a bundled name or a local Hugging Face directory")
-    ap.add_argument("--tasks", nargs="+", default=["passkey", "niah_single_noise", "niah_single_text", "niah_multikey"])
-    ap.add_argument("--lengths", nargs="+", type=int, default=[8192, 16384, 32768])
+    ap.add_argument("--tasks", type=csv_of(str), default=("passkey", "niah_single_noise", "niah_single_text",
+                                                           "niah_multikey"), help="comma-separated, as kvlocks eval")
+    ap.add_argument("--lengths", type=csv_of(int), default=(8192, 16384, 32768), help="comma-separated tokens")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budgets", nargs="+", type=int, default=[512, 2048])
+    ap.add_argument("--budgets", type=csv_of(int), default=(512, 2048), help="comma-separated tokens")
     ap.add_argument("--exact", action="store_true", help="also a LOCKS engine whose budget holds every prompt")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
