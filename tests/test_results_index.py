@@ -72,4 +72,4 @@ def test_raw_log_folders_are_still_raw_logs():
     gone = sorted(RAW_LOG_FOLDERS - folders)
     assert not gone, f"RAW_LOG_FOLDERS names folders that do not exist: {gone}"
     described = sorted(f for f in RAW_LOG_FOLDERS if _described(f))
-    assert not described, f"these have a README.md or .json now; drop them from RAW_LOG_FOLDERS: {described}"
+    assert not described, f"these have a README.md or .json; drop them from RAW_LOG_FOLDERS: {described}"
