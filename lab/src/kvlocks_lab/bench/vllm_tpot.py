@@ -70,7 +70,7 @@ GPU_UTIL = 0.85  # leaves room for the LOCKS summaries (10% of the KV pool at D 
 ROUND = 16384
 
 
-def _config(model: str) -> dict:
+def shape_config(model: str) -> dict:
     return json.loads((CONFIGS / model / "config.json").read_text())
 
 
@@ -264,7 +264,7 @@ def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
     return res
 
 
-def _facts() -> dict:
+def run_facts() -> dict:
     facts = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0]}
     try:
         facts["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
             ap.error(f"--contexts: {exc}")
     too_long = [c for c in args.contexts if c.partition(":")[0].isdigit() and
                 int(c.partition(":")[0]) > args.max_context]
-    hybrid = [m for m in args.models if window_layers(_config(m))]
+    hybrid = [m for m in args.models if window_layers(shape_config(m))]
     if hybrid and args.prefix == "connector":
         ap.error(f"--prefix connector: {hybrid} have sliding-window layers, whose blocks vLLM's hybrid KV cache "
                  f"manager keeps per layer group; the random-prefix connector writes dense models only "
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     rows_path = args.out / "rows.jsonl"
     rows = []
     for model in args.models:
-        cfg = _config(model)
+        cfg = shape_config(model)
         cells = plan_cells(cfg, args.contexts, args.batches, total, args.new_tokens, args.max_context)
         positions = (cfg["max_position_embeddings"] - args.new_tokens - 16) // 1024 * 1024  # as plan_cells
         named = {min(int(c.partition(":")[0]), positions) for c in args.contexts if c.partition(":")[0].isdigit()}
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
                 into = ratios if r["backend"] == "LOCKS" else sparse_ratios
                 into[f"{r['model']}|{r['context']}|{r['batch']}"] = base[0]["tpot_ms"] / r["tpot_ms"]
     summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
-               "gpu_memory_utilization": GPU_UTIL, "prefix": args.prefix, **_facts(),
+               "gpu_memory_utilization": GPU_UTIL, "prefix": args.prefix, **run_facts(),
                "speedup_tpot_flash_over_locks": ratios,
                "speedup_tpot_flash_over_locks_sparse": sparse_ratios,
                "rows": len(rows), "errors": sum("error" in r for r in rows)}

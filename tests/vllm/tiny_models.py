@@ -4,7 +4,8 @@ layers around global ones, head_dim 256) and a gpt-oss-like model (alternating 1
 learned per-head sinks set large enough to matter, head_dim 64). transformers' own initialisation
 (normal, std 0.02) gives non-degenerate attention, unlike vLLM's ``load_format="dummy"`` (weights in
 ±1e-3). No tokenizer: the engines take prompt token ids (``skip_tokenizer_init``); the weights are saved in
-bfloat16 and the engines run in bfloat16 (``gpu_helpers.BASE_LLM``)."""
+``dtype`` (bfloat16 by default: the GPU engines run in bfloat16, ``gpu_helpers.BASE_LLM``; the CPU
+tests use float32)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 VOCAB = 4096
 
 
-def gemma3_like(out: Path, *, layers: int = 12, window: int = 128) -> tuple[Path, list[int]]:
+def gemma3_like(out: Path, *, layers: int = 12, window: int = 128,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[Path, list[int]]:
     """Five sliding-window layers then one global, repeated; returns (dir, global layer numbers)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -24,7 +26,7 @@ def gemma3_like(out: Path, *, layers: int = 12, window: int = 128) -> tuple[Path
                            num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=window,
                            layer_types=types, max_position_embeddings=8192, query_pre_attn_scalar=256)
     torch.manual_seed(0)
-    Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    Gemma3ForCausalLM(cfg).to(dtype).save_pretrained(out)
     return out, [i for i, t in enumerate(types) if t == "full_attention"]
 
 

@@ -1,0 +1,47 @@
+"""The concurrency throughput benchmark's arithmetic (kvlocks_lab.bench.vllm_throughput), by hand:
+a pass's numbers from vLLM-like request outputs, and the LOCKS / FLASH_ATTN ratio per cell."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvlocks_lab.bench.vllm_throughput import main, pass_row, ratios
+
+
+def _out(n_tokens: int, first: float, last: float, latency: float, cached: int):
+    metrics = SimpleNamespace(first_token_ts=first, last_token_ts=last, first_token_latency=latency)
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n_tokens)))], metrics=metrics,
+                           num_cached_tokens=cached)
+
+
+def test_a_pass_counts_tokens_over_the_wall_and_each_requests_decode_rate():
+    outs = [_out(5, 10.0, 12.0, 1.5, 0), _out(5, 11.0, 11.5, 2.5, 16)]
+    row = pass_row(outs, wall=4.0, new=5)
+    assert row["output_tokens"] == 10 and row["tok_s"] == 2.5
+    assert row["decode_tok_s_per_request"] == [2.0, 8.0]  # 4 steps in 2 s and in 0.5 s
+    assert row["first_token_s_max"] == 2.5 and row["cached_tokens"] == [0, 16]
+
+
+def test_ratios_pair_locks_with_flash_attn_on_the_same_cell_and_pass():
+    def r(backend, ctx, n, p, tok_s):
+        return {"model": "m", "backend": backend, "context": ctx, "concurrency": n, "pass": p, "tok_s": tok_s}
+
+    rows = [r("FLASH_ATTN", 65536, 8, "warm", 100.0), r("LOCKS", 65536, 8, "warm", 150.0),
+            r("FLASH_ATTN", 65536, 8, "cold", 40.0), r("LOCKS", 65536, 8, "cold", 30.0),
+            r("LOCKS", 131072, 8, "warm", 90.0),  # no FLASH_ATTN row: no ratio
+            {"model": "m", "backend": "FLASH_ATTN", "error": "timeout"}]
+    assert ratios(rows) == {"m|65536|8|warm": 1.5, "m|65536|8|cold": 0.75}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--out", "x", "--new-tokens", "1"], "--new-tokens must be >= 2"),
+    (["--out", "x", "--concurrency", "0"], "every --concurrency >= 1"),
+    (["--out", "x", "--contexts", "8"], "every --contexts >= 16"),
+    ([], "--out is required"),
+])
+def test_bad_arguments_are_refused_before_any_engine_starts(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
