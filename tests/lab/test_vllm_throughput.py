@@ -45,3 +45,23 @@ def test_bad_arguments_are_refused_before_any_engine_starts(argv, needle, capsys
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_failed_engine_is_one_row_with_its_error_and_the_summary_counts_it(tmp_path):
+    """A worker that cannot start (here: a spec without its cells) leaves one row naming the engine,
+    its exit and the log's last lines, appended to rows.jsonl; the summary counts it as an error."""
+    import argparse
+    import json
+
+    from kvlocks_lab.bench import engine_process
+
+    spec = {"model": "tiny", "backend": "FLASH_ATTN"}
+    rows = engine_process.run_rows("kvlocks_lab.bench.vllm_throughput", spec, tmp_path, 120,
+                                   {"model": "tiny", "backend": "FLASH_ATTN", "cells": []})
+    assert len(rows) == 1 and rows[0]["error"] == "rc 1" and rows[0]["model"] == "tiny"
+    assert "Error" in rows[0]["log_tail"]
+    assert [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()] == rows
+    summary = engine_process.write_summary(tmp_path, argparse.Namespace(out=tmp_path, worker=None), rows, extra=1)
+    assert summary["errors"] == 1 and summary["rows"] == 1 and summary["extra"] == 1
+    assert summary["settings"] == {"out": str(tmp_path)} and "commit" in summary and "date" in summary
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary

@@ -1,4 +1,6 @@
-"""One vLLM engine in its own process, for the lab's vLLM measurements (``vllm_tpot``, ``vllm_tasks``).
+"""One vLLM engine in its own process, for the lab's vLLM measurements (``vllm_tpot``,
+``vllm_throughput``, ``vllm_tasks``), and what their result files share: the rows appended as each
+engine finishes, and a summary with the run's settings and facts (date, commit, GPU, versions).
 
 The caller writes a JSON spec; the process runs ``python -m MODULE --worker SPEC OUT`` with the
 engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's FlashInfer sampler off
@@ -12,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -46,3 +49,46 @@ def worker_main(worker_args, fn) -> int:
     spec_path, out_path = worker_args
     Path(out_path).write_text(json.dumps(fn(json.loads(Path(spec_path).read_text()))))
     return 0
+
+
+def run_rows(module: str, spec: dict, out: Path, timeout: int, ident: dict) -> list[dict]:
+    """The worker's rows for ``spec`` (named ``MODEL_BACKEND``), or one row with ``ident``, the error
+    and the log's last lines; appended to ``OUT/rows.jsonl`` either way."""
+    res, _ = run(module, spec, out, f"{spec['model']}_{spec['backend']}", timeout)
+    rows = [{**ident, "error": res.error, "log_tail": "\n".join(res.log_tail[-15:])}] \
+        if isinstance(res, Failure) else res
+    with open(out / "rows.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+def write_summary(out: Path, args, rows: list[dict], **fields) -> dict:
+    """``OUT/summary.json``: the command's arguments, the run's facts, ``fields``, the row and error counts."""
+    summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
+               **run_facts(), **fields, "rows": len(rows), "errors": sum("error" in r for r in rows)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def run_facts() -> dict:
+    """Date, Python, commit (``KVLOCKS_COMMIT`` where git's state is not the tree's), torch, GPU, vLLM."""
+    facts = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0]}
+    try:
+        facts["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                         cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        facts["commit"] = None
+    from kvlocks import env
+
+    facts["commit"] = env.get("KVLOCKS_COMMIT") or facts["commit"]
+    import torch
+
+    facts["torch"] = torch.__version__
+    facts["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        import vllm
+
+        facts["vllm"] = getattr(vllm, "__version__", None)  # None: a folder named vllm, not the package
+    except ImportError:
+        facts["vllm"] = None
+    return facts

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from kvlocks_lab.bench import engine_process
 from kvlocks_lab.bench.shape_bytes import window_layers
-from kvlocks_lab.bench.vllm_tpot import CONFIGS, DEFAULT_MODELS, DENSE_BELOW, GPU_UTIL, PREFIXES, run_facts, shape_config
+from kvlocks_lab.bench.vllm_tpot import CONFIGS, DEFAULT_MODELS, DENSE_BELOW, GPU_UTIL, PREFIXES, shape_config
 
 BACKENDS = ("FLASH_ATTN", "LOCKS")
 PASSES = ("cold", "warm")
@@ -160,17 +160,10 @@ def main(argv=None) -> int:
             spec = {"model": model, "model_dir": str(CONFIGS / model), "backend": backend, "cells": cells,
                     "new_tokens": args.new_tokens, "budget": args.budget, "vocab": cfg["vocab_size"],
                     "prefix": args.prefix, "prefix_seed": args.prefix_seed}
-            res, _ = engine_process.run("kvlocks_lab.bench.vllm_throughput", spec, args.out, f"{model}_{backend}",
-                                        args.timeout)
-            got = res if not isinstance(res, engine_process.Failure) else [
-                {"model": model, "backend": backend, "error": res.error, "log_tail": "\n".join(res.log_tail[-15:])}]
-            with open(args.out / "rows.jsonl", "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in got)
-            rows += got
-    summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
-               "gpu_memory_utilization": GPU_UTIL, **run_facts(), "tok_s_locks_over_flash": ratios(rows),
-               "rows": len(rows), "errors": sum("error" in r for r in rows)}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            rows += engine_process.run_rows("kvlocks_lab.bench.vllm_throughput", spec, args.out, args.timeout,
+                                            {"model": model, "backend": backend, "cells": cells})
+    summary = engine_process.write_summary(args.out, args, rows, gpu_memory_utilization=GPU_UTIL,
+                                           tok_s_locks_over_flash=ratios(rows))
     print(json.dumps(summary["tok_s_locks_over_flash"], indent=1))
     return 0
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -256,37 +255,6 @@ def _profile_cell(llm, prompts, params, steps: int, backend: str) -> dict:
     return out
 
 
-def _run_engine(spec: dict, out: Path, timeout: int) -> list[dict]:
-    res, _ = engine_process.run("kvlocks_lab.bench.vllm_tpot", spec, out, f"{spec['model']}_{spec['backend']}", timeout)
-    if isinstance(res, engine_process.Failure):
-        return [{"model": spec["model"], "backend": spec["backend"], "cells": spec["cells"],
-                 "prefix": spec.get("prefix"), "error": res.error, "log_tail": "\n".join(res.log_tail[-15:])}]
-    return res
-
-
-def run_facts() -> dict:
-    facts = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0]}
-    try:
-        facts["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                         cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        facts["commit"] = None
-    from kvlocks import env
-
-    facts["commit"] = env.get("KVLOCKS_COMMIT") or facts["commit"]  # set where git's state is not the tree's
-    import torch
-
-    facts["torch"] = torch.__version__
-    facts["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    try:
-        import vllm
-
-        facts["vllm"] = vllm.__version__
-    except ImportError:
-        facts["vllm"] = None
-    return facts
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
@@ -335,7 +303,6 @@ def main(argv=None) -> int:
 
     total = torch.cuda.get_device_properties(0).total_memory
     args.out.mkdir(parents=True, exist_ok=True)
-    rows_path = args.out / "rows.jsonl"
     rows = []
     for model in args.models:
         cfg = shape_config(model)
@@ -351,10 +318,8 @@ def main(argv=None) -> int:
                     "cells": [[ctx, sorted(b)] for ctx, b in sorted(cells.items())], "new_tokens": args.new_tokens,
                     "budget": args.budget, "vocab": cfg["vocab_size"], "profile_steps": args.profile_steps,
                     "prefix": args.prefix, "prefix_seed": args.prefix_seed}
-            got = _run_engine(spec, args.out, args.timeout)
-            with open(rows_path, "a") as f:
-                for r in got:
-                    f.write(json.dumps(r) + "\n")
+            got = engine_process.run_rows("kvlocks_lab.bench.vllm_tpot", spec, args.out, args.timeout,
+                                          {k: spec[k] for k in ("model", "backend", "cells", "prefix")})
             rows += got
             print(json.dumps([{k: r.get(k) for k in ("model", "backend", "context", "batch", "tpot_ms", "ttft_s",
                                                       "error")} for r in got]), flush=True)
@@ -366,12 +331,9 @@ def main(argv=None) -> int:
             if base:
                 into = ratios if r["backend"] == "LOCKS" else sparse_ratios
                 into[f"{r['model']}|{r['context']}|{r['batch']}"] = base[0]["tpot_ms"] / r["tpot_ms"]
-    summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
-               "gpu_memory_utilization": GPU_UTIL, "prefix": args.prefix, **run_facts(),
-               "speedup_tpot_flash_over_locks": ratios,
-               "speedup_tpot_flash_over_locks_sparse": sparse_ratios,
-               "rows": len(rows), "errors": sum("error" in r for r in rows)}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary = engine_process.write_summary(args.out, args, rows, gpu_memory_utilization=GPU_UTIL, prefix=args.prefix,
+                                           speedup_tpot_flash_over_locks=ratios,
+                                           speedup_tpot_flash_over_locks_sparse=sparse_ratios)
     print(json.dumps(summary["speedup_tpot_flash_over_locks"], indent=1))
     return 0
 
