@@ -79,3 +79,25 @@ def run_main(script: str, spec: dict, tmp: Path, name: str, timeout: int = 900) 
     if not MAIN_PYTHON.exists():
         raise AssertionError(f"{MAIN_PYTHON} is missing: run scripts/setup.sh (scripts/test_vllm.sh does)")
     return _run(script, spec, tmp, name, timeout=timeout, python=str(MAIN_PYTHON))
+
+
+def run_bench_worker(module: str, spec: dict, tmp: Path, env: dict | None = None) -> list[dict]:
+    """A lab benchmark's engine worker (``python -m MODULE --worker``) on a tiny random Llama (the
+    Llama-3.1-8B config file with small sizes, vocabulary 1,024, written under ``tmp``), its engine
+    core in the process as the benchmark runs it; ``spec`` without ``model``/``model_dir``/``vocab``.
+    Returns the worker's rows."""
+    from kvlocks_lab.bench.vllm_tpot import CONFIGS
+
+    cfg = json.loads((CONFIGS / "llama3.1-8b" / "config.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, vocab_size=1024)
+    (tmp / "tiny").mkdir()
+    (tmp / "tiny" / "config.json").write_text(json.dumps(cfg))
+    spec = {"model": "tiny", "model_dir": str(tmp / "tiny"), "vocab": 1024, "gpu_memory_utilization": 0.15, **spec}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    full_env.pop("KVLOCKS_VLLM_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-m", module, "--worker", str(tmp / "spec.json"), str(tmp / "rows.json")],
+                          env=full_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((tmp / "rows.json").read_text())

@@ -4,32 +4,15 @@ LOCKS backend, several requests submitted at once, each pass's counts from vLLM'
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from helpers import run_bench_worker
 
 from kvlocks_lab.bench.vllm_throughput import PASSES
-from kvlocks_lab.bench.vllm_tpot import CONFIGS
 
 
 def test_worker_counts_every_request_of_both_passes(tmp_path):
-    cfg = json.loads((CONFIGS / "llama3.1-8b" / "config.json").read_text())
-    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, vocab_size=1024)
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(cfg))
     new = 6
-    spec = {"model": "tiny", "model_dir": str(tmp_path / "tiny"), "backend": "LOCKS", "cells": [[1024, [3]]],
-            "new_tokens": new, "budget": 256, "vocab": 1024, "prefix": "prefill", "gpu_memory_utilization": 0.15}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.pop("KVLOCKS_VLLM_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-m", "kvlocks_lab.bench.vllm_throughput", "--worker",
-                           str(tmp_path / "spec.json"), str(tmp_path / "rows.json")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "rows.json").read_text())
+    spec = {"backend": "LOCKS", "cells": [[1024, [3]]], "new_tokens": new, "budget": 256, "prefix": "prefill"}
+    rows = run_bench_worker("kvlocks_lab.bench.vllm_throughput", spec, tmp_path)
     assert [(r["context"], r["concurrency"], r["pass"]) for r in rows] == [(1024, 3, p) for p in PASSES]
     for r in rows:
         assert r["backend"] == "LOCKS" and r["budget"] == 256 and r["output_tokens"] == 3 * new

@@ -7,17 +7,12 @@ random K/V and the slot arithmetic."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import read_trace
+from helpers import read_trace, run_bench_worker
 
 from kvlocks_lab.bench import random_prefix as rp
-from kvlocks_lab.bench.vllm_tpot import CONFIGS, main
+from kvlocks_lab.bench.vllm_tpot import main
 
 CTX, NEW, BUDGET = 2048, 6, 256
 BLOCK = 128  # vLLM's CPU block size
@@ -66,21 +61,9 @@ def test_prefill_refuses_contexts_past_max_context(capsys):
 
 
 def _run_worker(tmp_path, backend: str, env_extra: dict) -> list[dict]:
-    cfg = json.loads((CONFIGS / "llama3.1-8b" / "config.json").read_text())
-    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, vocab_size=1024)
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(cfg))
-    spec = {"model": "tiny", "model_dir": str(tmp_path / "tiny"), "backend": backend, "cells": [[CTX, [1, 2]]],
-            "new_tokens": NEW, "budget": BUDGET, "vocab": 1024, "gpu_memory_utilization": 0.15,
-            "prefix": "connector", "prefix_seed": 0}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env_extra}
-    env.pop("KVLOCKS_VLLM_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-m", "kvlocks_lab.bench.vllm_tpot", "--worker", str(tmp_path / "spec.json"),
-                           str(tmp_path / "rows.json")], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "rows.json").read_text())
+    spec = {"backend": backend, "cells": [[CTX, [1, 2]]], "new_tokens": NEW, "budget": BUDGET, "prefix": "connector",
+            "prefix_seed": 0}
+    rows = run_bench_worker("kvlocks_lab.bench.vllm_tpot", spec, tmp_path, env_extra)
     assert [(r["context"], r["batch"]) for r in rows] == [(CTX, 1), (CTX, 2)]
     for r in rows:
         b = r["batch"]
