@@ -8,7 +8,9 @@ For every (task, length, budget) cell and for every budget pooled over the cells
 methods have, each method's mean score, the paired difference (method - reference) with its
 percentile bootstrap 95 % CI (kvlocks_lab.eval.metrics.paired_bootstrap_ci), the mean KL(full ||
 method) of both, and ``full``'s accuracy on those records. ``--against full`` pairs every budget
-of the methods with ``full`` (which has none). Prints a Markdown table; writes JSON.
+of the methods with ``full`` (which has none). ``--by-length`` adds, per budget and length, the
+cells pooled over the tasks (how a gap moves with the budget's share of the context). Prints a
+Markdown table; writes JSON.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def compare(pairs: list[tuple[dict, dict, dict | None]]) -> dict:
             "full": sum(full) / len(full) if full else None}
 
 
-def analyse(cells: dict, methods: list[str], against: str) -> list[dict]:
-    out, pooled = [], defaultdict(list)
+def analyse(cells: dict, methods: list[str], against: str, by_length: bool = False) -> list[dict]:
+    out, pooled, per_length = [], defaultdict(list), defaultdict(list)
     # a reference without a budget (``full``) is paired with the methods at each of their budgets
     unbudgeted = any(m == against and b is None for (_, _, m, b) in cells)
     if unbudgeted:
@@ -67,6 +69,10 @@ def analyse(cells: dict, methods: list[str], against: str) -> list[dict]:
                 continue
             out.append({"task": task, "length": length, "budget": budget, "name": method, **compare(pairs)})
             pooled[(method, budget)] += pairs
+            per_length[(method, budget, length)] += pairs
+    if by_length:
+        for (method, budget, length), pairs in sorted(per_length.items(), key=str):
+            out.append({"task": "all", "length": length, "budget": budget, "name": method, **compare(pairs)})
     for (method, budget), pairs in sorted(pooled.items(), key=str):
         out.append({"task": "all", "length": "all", "budget": budget, "name": method, **compare(pairs)})
     return out
@@ -95,8 +101,9 @@ def main() -> None:
     ap.add_argument("--against", default="oracle")
     ap.add_argument("--methods", default="locks,locks_rerank")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--by-length", action="store_true", help="also pool over the tasks per budget and length")
     args = ap.parse_args()
-    rows = analyse(load(args.rows), args.methods.split(","), args.against)
+    rows = analyse(load(args.rows), args.methods.split(","), args.against, args.by_length)
     print(table(rows, args.against))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -75,3 +75,25 @@ def test_rows_without_kl_pair_by_score_and_print_no_kl(tmp_path):
     assert (a["n"], a["method"], a["reference"], a["kl_method"]) == (3, 1 / 3, 2 / 3, None)
     assert abs(a["kl_reference"] - 0.1) < 1e-12
     assert "| a | 2048 | 512 | vllm_locks | 3 | - | 33.3 | 66.7 | -33.3" in stdout and "| - | 0.100 |" in stdout
+
+
+def test_by_length_pools_the_tasks_of_each_length(tmp_path):
+    """Two tasks at two lengths: each length's row pools its two tasks' records, by hand."""
+    rows = []
+    for task, length, ref, mine in (("a", 1024, 1.0, 0.0), ("b", 1024, 1.0, 1.0), ("a", 4096, 0.0, 1.0),
+                                    ("b", 4096, 1.0, 1.0)):
+        for i in range(2):
+            rows += [{**_row(task, i, "oracle", 64, ref, 0.1), "length": length},
+                     {**_row(task, i, "locks", 64, mine, 0.2), "length": length}]
+    path, out = tmp_path / "rows.jsonl", tmp_path / "paired.json"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "--methods", "locks", "--by-length", "--out",
+                           str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = {(r["task"], r["length"]): r for r in json.loads(out.read_text())}
+    assert set(got) == {("a", 1024), ("b", 1024), ("a", 4096), ("b", 4096), ("all", 1024), ("all", 4096),
+                        ("all", "all")}
+    short, long = got[("all", 1024)], got[("all", 4096)]
+    assert (short["n"], short["method"], short["reference"], short["diff"]) == (4, 0.5, 1.0, -0.5)
+    assert (long["n"], long["method"], long["reference"], long["diff"]) == (4, 1.0, 0.5, 0.5)
+    assert got[("all", "all")]["n"] == 8 and got[("all", "all")]["diff"] == 0.0
