@@ -35,3 +35,27 @@ def test_hostile_requests_must_be_refused_or_continue_the_declared_content():
     # a file for other weights is never served
     served = {**refused, "hostile_other_model": _row(tokens=[1])}
     assert [h["ok"] for h in m.hostile_outcomes(plan, served, files)] == [False, True]
+
+
+def test_a_random_weight_plan_spans_its_contexts_with_token_ids_in_the_vocabulary():
+    """--model-dir: random token ids (no tokenizer), the main requests from --min-context to the limit,
+    the same plan for the same arguments."""
+    m = _module()
+    plan = m.make_plan(5, 4096, None, 128, low=1024, vocab=1000)
+    main = [r for r in plan if r["kind"] == "main"]
+    assert [len(r["prompt"]) for r in main] == [1024 + (4096 - 130 - 1024) * i // 4 for i in range(5)]
+    assert all(10 <= t < 1000 for r in plan for t in r["prompt"])
+    assert [r["kind"] for r in plan].count("over") == 2 and len(plan[-1]["prompt"]) == 4096 - 20
+    assert plan == m.make_plan(5, 4096, None, 128, low=1024, vocab=1000)
+
+
+def test_bad_model_arguments_are_refused(tmp_path, capsys):
+    import pytest
+
+    m = _module()
+    with pytest.raises(SystemExit):
+        m.main(["--out", str(tmp_path / "o"), "--model-dir", str(tmp_path)])
+    assert "no config.json there" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        m.main(["--out", str(tmp_path / "o"), "--min-context", "9000"])
+    assert "--min-context 9000: must be >= 16 and below --max-model-len 8192" in capsys.readouterr().err

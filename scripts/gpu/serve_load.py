@@ -5,6 +5,12 @@ soak at a full pool, then LOCKS served alone as the reference; writes ``OUT/serv
     python3 scripts/gpu/serve_load.py --out OUT [--requests 36] [--soak-s 90]      # GPU, vLLM staged
     .venv-vllm/bin/python scripts/gpu/serve_load.py --out OUT --cpu --requests 6 --soak-s 10 \\
         --max-model-len 1024 --compact-python .venv/bin/python                     # a smoke run here
+    python3 scripts/gpu/serve_load.py --out OUT --model-dir lab/src/kvlocks_lab/bench/configs/llama3.1-8b \\
+        --max-model-len 131072 --min-context 32768 --requests 32 --share 0.95      # memory pressure
+
+``--model-dir`` serves a config-only directory with random weights (``--load-format dummy``, no
+tokenizer: prompts are random token ids), such as the lab's Llama-3.1-8B shape at 32K-128K tokens
+a request; the compacted files are the bundled model's, so they are left out there.
 
 The plan: ``--requests`` prompts from 1K tokens to the model's limit (less the new tokens),
 streamed and not; four streams the client closes after three chunks; two over-length prompts;
@@ -42,6 +48,7 @@ from helpers import long_text, read_trace  # noqa: E402
 MAX_TOKENS = {"cpu": 32, "cuda": 128}  # new tokens a main request: on the GPU enough growth (8 blocks a request)
 # past vLLM's 1 % watermark that the full pool preempts running requests
 Q1 = " Question: what is the code word for box 12? Answer:"
+SERVED = "served"  # --served-model-name
 
 
 def _doc(items: int, seed: int) -> str:
@@ -57,24 +64,33 @@ def _tokenizer():
     return AutoTokenizer.from_pretrained(resolve("smollm2-135m"))
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    """A synthetic key-value document of ``length`` tokens (~17 tokens per item)."""
+def _prompt(length: int, seed: int, vocab: int | None = None) -> list[int]:
+    """A synthetic key-value document of ``length`` tokens (~17 tokens per item), or with ``vocab``
+    (a random-weight model without a tokenizer) ``length`` random token ids."""
+    if vocab:
+        import random
+
+        rng = random.Random(seed)
+        return [rng.randrange(10, vocab) for _ in range(length)]
     return _tokenizer().encode(long_text(length // 17 + 4, seed=seed))[:length]
 
 
-def make_plan(n: int, max_len: int, files: dict | None, max_tokens: int) -> list[dict]:
-    """The requests, sent at once (kinds: sparse/dense by length, cancel, over, file, hostile)."""
+def make_plan(n: int, max_len: int, files: dict | None, max_tokens: int, low: int = 1000,
+              vocab: int | None = None) -> list[dict]:
+    """The requests, sent at once (kinds: sparse/dense by length, cancel, over, file, hostile); the
+    main requests' prompts from ``low`` tokens to the limit."""
+    _p = functools.partial(_prompt, vocab=vocab)
     top = max_len - max_tokens - 2
     plan = []
     for i in range(n):
-        length = 1000 + (top - 1000) * i // max(n - 1, 1) if top > 1000 else 100 + 30 * i
-        plan.append({"id": f"req_{i}", "kind": "main", "prompt": _prompt(length, i), "max_tokens": max_tokens,
+        length = low + (top - low) * i // max(n - 1, 1) if top > low else 100 + 30 * i
+        plan.append({"id": f"req_{i}", "kind": "main", "prompt": _p(length, i), "max_tokens": max_tokens,
                      "stream": i % 2 == 1})
     for i in range(4):
-        plan.append({"id": f"cancel_{i}", "kind": "cancel", "prompt": _prompt(min(2000, top), 100 + i),
+        plan.append({"id": f"cancel_{i}", "kind": "cancel", "prompt": _p(min(2000, top), 100 + i),
                      "max_tokens": 200, "stream": True, "cancel_after": 3})
-    plan.append({"id": "over_prompt", "kind": "over", "prompt": _prompt(max_len + 50, 200), "max_tokens": 8})
-    plan.append({"id": "over_total", "kind": "over", "prompt": _prompt(max_len - 20, 201), "max_tokens": 100})
+    plan.append({"id": "over_prompt", "kind": "over", "prompt": _p(max_len + 50, 200), "max_tokens": 8})
+    plan.append({"id": "over_total", "kind": "over", "prompt": _p(max_len - 20, 201), "max_tokens": 100})
     if files:
         from kvlocks.integrations.vllm.connector.compacted import compacted_request
 
@@ -135,8 +151,14 @@ def _wait_up(proc, base: str, log: Path, limit: float = 420) -> None:
             time.sleep(2)
 
 
-def serve(args, plan, files, out: Path, served_json: str) -> dict:
+def model_path(args) -> str:
+    """The served weights: ``--model-dir`` (random weights) or the bundled model."""
     from kvlocks.models import resolve
+
+    return str(args.model_dir) if args.model_dir else str(resolve("smollm2-135m"))
+
+
+def serve(args, plan, files, out: Path, served_json: str) -> dict:
     from kvlocks_lab.bench.serve_load import run_load, server_metric
 
     port = _free_port()
@@ -144,13 +166,15 @@ def serve(args, plan, files, out: Path, served_json: str) -> dict:
            "KVLOCKS_VLLM_COUNTERS": str(out / "counters.json"), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if args.cpu:
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "KVLOCKS_VLLM_TRACE": str(out / "trace.jsonl")})
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve("smollm2-135m")),
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(args),
                "--dtype", "float32", "--enforce-eager", "--block-size", "32"]
     else:
         env["VLLM_BATCH_INVARIANT"] = "1"  # a request's tokens do not depend on its batch
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve("smollm2-135m")),
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path(args),
                "--dtype", "bfloat16", "--block-size", "16", "--gpu-memory-utilization", str(args.share)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
+    if args.model_dir:
+        cmd += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED,
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--num-gpu-blocks-override", str(args.blocks), "--enable-prefix-caching"]
     if files:
@@ -170,9 +194,9 @@ def serve(args, plan, files, out: Path, served_json: str) -> dict:
             t0 = time.time()
             _wait_up(proc, base, log_path)
             res["startup_s"] = round(time.time() - t0, 1)
-            res["rows"], res["seconds"] = run_load(base, "smollm2", plan)
+            res["rows"], res["seconds"] = run_load(base, SERVED, plan)
             res["soak"] = soak(base, plan, args.soak_s)
-            res["final"], _ = run_load(base, "smollm2", [{**plan[0], "id": "final", "stream": False}])
+            res["final"], _ = run_load(base, SERVED, [{**plan[0], "id": "final", "stream": False}])
             res["preemptions"] = server_metric(base, "vllm:num_preemptions_total")
             res["server_alive"] = proc.poll() is None
         finally:
@@ -193,7 +217,7 @@ def soak(base: str, plan: list[dict], seconds: float) -> dict:
     main = [r for r in plan if r["kind"] == "main"]
     rounds, failed, done, t0 = 0, [], 0, time.time()
     while time.time() - t0 < seconds:
-        rows, _ = run_load(base, "smollm2", [{**r, "id": f"soak{rounds}_{r['id']}"} for r in main])
+        rows, _ = run_load(base, SERVED, [{**r, "id": f"soak{rounds}_{r['id']}"} for r in main])
         failed += [{"id": r["id"], "status": r["status"], "error": r["error"]} for r in rows if r["error"]]
         done += sum(r["finish"] in ("length", "stop") for r in rows)
         rounds += 1
@@ -205,12 +229,14 @@ def references(args, plan, out: Path, locks_json: str) -> list[list[int]]:
     main = [r for r in plan if r["kind"] == "main"]
     where = ROOT / "tests" / ("vllm" if args.cpu else "vllm_gpu")
     llm = {"max_model_len": args.max_model_len, "enable_prefix_caching": False}
+    if args.model_dir:
+        llm.update({"load_format": "dummy", "skip_tokenizer_init": True})
     if args.cpu:
         llm.update({"dtype": "float32", "block_size": 32})
     else:
         llm.update({"dtype": "bfloat16", "block_size": 16, "gpu_memory_utilization": args.share})
     spec = {"llm": llm, "prompts": [r["prompt"] for r in main], "max_tokens": main[0]["max_tokens"], "locks": locks_json,
-            "batches": [[i] for i in range(len(main))]}
+            "batches": [[i] for i in range(len(main))], "model": model_path(args)}
     (out / "alone.spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_USE_FLASHINFER_SAMPLER": "0", **({} if args.cpu else {"VLLM_BATCH_INVARIANT": "1"})}
@@ -223,8 +249,9 @@ def references(args, plan, out: Path, locks_json: str) -> list[list[int]]:
 
 
 def compacted_files(args, out: Path) -> dict | None:
-    """The CPU suite's compacted files (``tests/vllm/compact_ref.py``), or None (``--no-files``)."""
-    if args.no_files:
+    """The CPU suite's compacted files (``tests/vllm/compact_ref.py``), or None (``--no-files``, or
+    random weights: the files are the bundled model's)."""
+    if args.no_files or args.model_dir:
         return None
     files = out / "caches"
     files.mkdir(exist_ok=True)
@@ -287,7 +314,8 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
     hostile = hostile_outcomes(plan, rows, files) if files else []
     return {
         "date": time.strftime("%Y-%m-%d"), "device": "cpu" if args.cpu else "cuda",
-        "server": {k: v for k, v in vars(args).items() if k not in ("out",)}, "startup_s": res.get("startup_s"),
+        "server": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
+        "startup_s": res.get("startup_s"),
         **summarize(res["rows"], res["seconds"]),
         "wrong_tokens": len(wrong), "wrong": wrong, "compared": len(expected),
         "stale_summaries": stale_summaries(args, out),
@@ -303,7 +331,7 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
     }
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--requests", type=int, default=36, help="main requests, 1K tokens to the limit")
@@ -316,7 +344,14 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="vllm-cpu smoke run (float32, blocks of 32, api_server)")
     p.add_argument("--no-files", action="store_true", help="skip the compacted-cache files")
     p.add_argument("--compact-python", help="python that runs tests/vllm/compact_ref.py (default: this one)")
-    args = p.parse_args()
+    p.add_argument("--model-dir", type=Path, help="a config-only model directory served with random weights "
+                   "(e.g. lab/src/kvlocks_lab/bench/configs/llama3.1-8b); default: the bundled model")
+    p.add_argument("--min-context", type=int, default=1000, help="the shortest main request's prompt tokens")
+    args = p.parse_args(argv)
+    if args.model_dir and not (args.model_dir / "config.json").is_file():
+        p.error(f"--model-dir {args.model_dir}: no config.json there")
+    if not 16 <= args.min_context < args.max_model_len:
+        p.error(f"--min-context {args.min_context}: must be >= 16 and below --max-model-len {args.max_model_len}")
     args.out.mkdir(parents=True, exist_ok=True)
     from kvlocks.config import LocksConfig
     from kvlocks.integrations.vllm.settings import PluginSettings, to_text
@@ -326,7 +361,9 @@ def main() -> None:
     served_json = to_text(config, PluginSettings(dense_below=0))  # and so does the server
     t0 = time.time()
     files = compacted_files(args, args.out)
-    plan = make_plan(args.requests, args.max_model_len, files, MAX_TOKENS["cpu" if args.cpu else "cuda"])
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"] if args.model_dir else None
+    plan = make_plan(args.requests, args.max_model_len, files, MAX_TOKENS["cpu" if args.cpu else "cuda"],
+                     args.min_context, vocab)
     if not args.blocks:
         bs = 32 if args.cpu else 16
         demand = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in plan if r["kind"] == "main")
