@@ -2,8 +2,8 @@
 ``tiny_models.py``, float32): the window layers run vLLM's CPU attention, the global layers LOCKS.
 Against the Hugging Face path on the same weights and prompt (its window layers keep their exact
 window, its global layers run the PyTorch references): the same pages selected at every decode
-step of both global layers and the same greedy tokens; a request that fits the budget gives stock
-vLLM's tokens; strict mode starts, with the window layers "by design" in the one layer table."""
+step of both global layers and the same greedy tokens; a request that fits the budget gives full
+attention's tokens; strict mode starts, with the window layers "by design" in the one layer table."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def test_gemma3_like_global_layers_select_the_hf_paths_pages(tmp_path):
     env = {"KVLOCKS_VLLM_CONFIG": to_text(cfg, PluginSettings(strict=True)),
            "KVLOCKS_VLLM_TRACE": str(trace), "KVLOCKS_VLLM_VERIFY": "1"}
     locks = run_engine(spec, tmp_path, "locks", env=env)
-    stock = run_engine(spec, tmp_path, "stock")
     hf = run_hf({"prompt_ids": long, "locks": cfg.to_json(), "max_tokens": steps, "model": str(model)}, tmp_path, "hf")
+    full = run_hf({"prompt_ids": short, "locks": None, "max_tokens": steps, "model": str(model)}, tmp_path, "full")
 
     log = (tmp_path / "locks.log").read_text()
     tables = [line for line in log.splitlines() if "kvlocks: attention layers" in line]
@@ -52,4 +52,4 @@ def test_gemma3_like_global_layers_select_the_hf_paths_pages(tmp_path):
     assert all(len(p) == BUDGET // 16 for pages in vmap.values() for p in pages)
     assert vmap == hmap
     assert locks["tokens"][0] == hf["tokens"]
-    assert locks["tokens"][1] == stock["tokens"][1]  # 100 tokens: within the budget, attended exactly
+    assert locks["tokens"][1] == full["tokens"]  # 100 tokens: within the budget, attended exactly
