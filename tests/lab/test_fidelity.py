@@ -477,6 +477,30 @@ def test_kvlocks_fidelity_end_to_end(tmp_path, capsys):
     assert "coverage" in capsys.readouterr().out
 
 
+def test_without_calibration_prose_the_selectors_fitted_on_it_are_refused_and_the_others_run(tmp_path):
+    """``--calib-tokens 0`` (long prompts may use up the prose): no calibration prompt is captured;
+    Loki, the global bases and the ``calib`` adaptive rule are refused by name."""
+    import pytest
+
+    from kvlocks.cli import main
+
+    for bad in ("loki", "global", "locks_adapt90_calib"):
+        with pytest.raises(ValueError, match=rf"calib_tokens=0: selectors \['{bad}'\]"):
+            FidelityConfig(selectors=("oracle", bad), calib_tokens=0)
+    FidelityConfig(selectors=("oracle", "locks_adapt90_causal"), calib_tokens=0)
+    out, cap = tmp_path / "fid", tmp_path / "cap"
+    rc = main(["fidelity", "--tasks", "niah_single_text", "--samples", "1", "--text-records", "0", "--length", "320",
+               "--queries", "4", "--layers", "0", "--budgets", "32,64", "--calib-tokens", "0",
+               "--selectors", "oracle,locks,centroid_rerank4", "--captures", str(cap), "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["calibration"] == {"tokens": 0, "shared_sentences_with_prompts": 0}
+    assert sorted(p.name for p in cap.iterdir()) == [f"{summary['prompts'][0]['name']}.safetensors"]
+    for b in ("32", "64"):
+        best = summary["selectors"]["oracle"]["budgets"][b]["coverage"]
+        assert all(summary["selectors"][n]["budgets"][b]["coverage"] <= best + 1e-6 for n in ("locks", "centroid_rerank4"))
+
+
 def test_rerank_selection_mask_is_the_oracle_when_candidates_cover_the_pages_and_the_library_rule_otherwise():
     import torch
 

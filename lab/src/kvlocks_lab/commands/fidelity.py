@@ -26,7 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=csv_of(int), default=(), help="layer indices (default: all)")
     p.add_argument("--kv-heads", type=csv_of(int), default=(), help="KV head indices (default: all)")
     p.add_argument("--rank", type=int, default=d["rank"].default)
-    p.add_argument("--calib-tokens", type=int, default=d["calib_tokens"].default)
+    p.add_argument("--calib-tokens", type=int, default=d["calib_tokens"].default,
+                   help="calibration prose for loki, global and locks_adapt*_calib; 0: none (long prompts can "
+                        "use up the prose that is disjoint from them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu")

@@ -53,7 +53,8 @@ class FidelityConfig(ConfigIO):
     layers, kv_heads : indices to measure; empty = all
     page_size, rank : S and R of the LOCKS summaries (and of the scope ladder)
     calib_tokens : tokens of calibration prose for Loki and the global basis; disjoint from
-        every evaluated prompt (checked sentence by sentence)
+        every evaluated prompt (checked sentence by sentence); 0: none (long prompts can use up
+        the prose), which the selectors fitted on it refuse
     hot_share : a (query head, step) counts as carrier-attending when the carrier pages hold at
         least this exact share of its mass; ``carrier_hot`` is measured on those only
     kendall_stride : Kendall tau on every ``kendall_stride``-th query step (scipy's loop is the
@@ -85,7 +86,7 @@ class FidelityConfig(ConfigIO):
 
     def __post_init__(self) -> None:
         from kvlocks_lab.eval.tasks import TASKS
-        from kvlocks_lab.fidelity.variants import check_variant
+        from kvlocks_lab.fidelity.variants import check_variant, variant
 
         if not self.selectors:
             object.__setattr__(self, "selectors", _default_selectors())
@@ -102,7 +103,10 @@ class FidelityConfig(ConfigIO):
         _check_int("rank", self.rank, 1, self.page_size)
         _check_int("length", self.length, 256)
         _check_int("queries", self.queries, 1, 512)
-        _check_int("calib_tokens", self.calib_tokens, self.page_size)
+        if self.calib_tokens:  # 0: no calibration prose (long prompts may leave no prose disjoint from them)
+            _check_int("calib_tokens", self.calib_tokens, self.page_size)
+        else:
+            _check_int("calib_tokens", self.calib_tokens, 0)
         _check_int("kendall_stride", self.kendall_stride, 1)
         _check_int("scatter_pages", self.scatter_pages, 0)
         _check_int("seed", self.seed, 0)
@@ -119,6 +123,10 @@ class FidelityConfig(ConfigIO):
             raise ValueError(f"FidelityConfig.selectors={self.selectors!r}: must be a tuple of distinct names")
         for s in self.selectors:
             check_variant(s)
+        need = [n for n in self.selectors if variant(n).needs_calibration]
+        if not self.calib_tokens and need:
+            raise ValueError(f"FidelityConfig.calib_tokens=0: selectors {need} are fitted on calibration prose; "
+                             f"drop them or give calib_tokens >= page_size ({self.page_size})")
         if not isinstance(self.hot_share, (int, float)) or not 0.0 < float(self.hot_share) <= 1.0:
             raise ValueError(f"FidelityConfig.hot_share={self.hot_share!r}: must be in (0, 1]")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -126,7 +126,7 @@ def shared_sentences(calibration: Prompt, prompts: list[Prompt]) -> int:
 
 def build_prompts(config, tokenizer) -> tuple[list[Prompt], Prompt]:
     """The evaluated prompts of a :class:`~kvlocks_lab.fidelity.config.FidelityConfig` and the
-    calibration prompt (disjoint from them)."""
+    calibration prompt (disjoint from them; None with ``calib_tokens`` 0)."""
     from kvlocks_lab.eval.tasks import generate
 
     prompts = []
@@ -136,6 +136,8 @@ def build_prompts(config, tokenizer) -> tuple[list[Prompt], Prompt]:
     for i in range(config.text_records):
         prompts.append(text_prompt(tokenizer, length=config.length, queries=config.queries,
                                    page_size=config.page_size, index=i, seed=config.seed))
+    if not config.calib_tokens:
+        return prompts, None
     calib = calibration_prompt(tokenizer, tokens=config.calib_tokens, avoid=[p.text for p in prompts],
                                page_size=config.page_size, seed=config.seed)
     return prompts, calib

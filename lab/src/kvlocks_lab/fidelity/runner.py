@@ -109,7 +109,7 @@ def run_fidelity(config: FidelityConfig, out: Path, *, model=None, tok=None, cap
     layers = _indices(config.layers, text.num_hidden_layers, "layers")
     heads = _indices(config.kv_heads, text.num_key_value_heads, "kv_heads")
     prompts, calib = build_prompts(config, tok)
-    overlap = shared_sentences(calib, prompts)
+    overlap = shared_sentences(calib, prompts) if calib is not None else 0
     if overlap:
         raise ValueError(f"calibration prose shares {overlap} sentences with the evaluated prompts")
     tmp = None
@@ -122,15 +122,18 @@ def run_fidelity(config: FidelityConfig, out: Path, *, model=None, tok=None, cap
                    disable=not progress)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            paths = _capture_all(model, [calib, *prompts], config, Path(captures), bar)
+            paths = _capture_all(model, [calib, *prompts] if calib is not None else prompts, config, Path(captures),
+                                 bar)
         timings["capture_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        cal = load_capture(paths["calibration"])
-        calib_keys = [cal.keys[i][heads] for i in range(cal.num_layers)]
-        res = Resources(page_size=config.page_size, rank=config.rank, loki=LokiCalibration.fit(calib_keys),
-                        global_bases=GlobalBases.fit(calib_keys, config.page_size), seed=config.seed,
-                        calib_norm_ranges=calibration_ranges(calib_keys, config.page_size))
-        del cal, calib_keys
+        res = Resources(page_size=config.page_size, rank=config.rank, seed=config.seed)
+        if calib is not None:
+            cal = load_capture(paths["calibration"])
+            calib_keys = [cal.keys[i][heads] for i in range(cal.num_layers)]
+            res = Resources(page_size=config.page_size, rank=config.rank, loki=LokiCalibration.fit(calib_keys),
+                            global_bases=GlobalBases.fit(calib_keys, config.page_size), seed=config.seed,
+                            calib_norm_ranges=calibration_ranges(calib_keys, config.page_size))
+            del cal, calib_keys
         rows, scatter, tails = [], {}, TailStats(config.seed)
         rng = np.random.default_rng(config.seed)
         with (out / "rows.jsonl").open("w") as fh:

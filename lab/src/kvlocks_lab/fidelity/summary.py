@@ -193,7 +193,8 @@ def summarize(rows, *, config, prompts, calib, calib_overlap, layers, heads, tai
         "timings": timings, "layers": layers, "kv_heads": heads, "head_dim": head_dim,
         "prompts": [p.meta() | {"carrier_pages": sorted({t // config.page_size for t in p.carrier_tokens})}
                     for p in prompts],
-        "calibration": {"tokens": len(calib.ids), "shared_sentences_with_prompts": calib_overlap},
+        "calibration": {"tokens": len(calib.ids) if calib is not None else 0,
+                        "shared_sentences_with_prompts": calib_overlap},
         "matched": {"locks_bytes_per_page": sel.get("locks", {}).get("bytes_per_page"),
                     "shared_rank": matched_rank(res, head_dim)},
         "selectors": sel, "bounds": _bounds(rows, config.budgets), "energy": _energy(rows, config, head_dim),

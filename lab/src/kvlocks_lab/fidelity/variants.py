@@ -114,6 +114,11 @@ class Variant:
         return self.family not in ("streaming", "random")
 
     @property
+    def needs_calibration(self) -> bool:
+        """Fitted on the calibration prose: Loki's basis, the global bases, the ``calib`` adaptive rule."""
+        return self.family in ("loki", "global") or (self.adapt is not None and self.adapt_rule == "calib")
+
+    @property
     def reconstructs_logits(self) -> bool:
         return self.family in ("oracle", "locks", "loki", "shadowkv", "global")
 
