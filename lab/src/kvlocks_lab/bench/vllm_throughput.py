@@ -48,12 +48,13 @@ PASSES = ("cold", "warm")
 
 
 def _metric(llm, name: str):
-    """The sum of a counter of the engine's metrics (None where this vLLM has no metrics reader)."""
+    """The sum of a counter of the engine's metrics (None where this vLLM has no metrics reader or
+    no such counter)."""
     try:
         vals = [m.value for m in llm.get_metrics() if m.name == name]
     except Exception:  # noqa: BLE001 - a vLLM without get_metrics: the row says None
         return None
-    return sum(vals) if vals else 0
+    return sum(vals) if vals else None
 
 
 def _pool_tokens(llm):
