@@ -17,11 +17,11 @@ import collections
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from compile_children import DEVICE_TRITON, ROOT, Children
 
 pytest.importorskip("triton")
 
@@ -204,18 +204,19 @@ def rerank_kernels() -> None:
             _check_pdl(k.asm["ptx"], True)
 
 
-ROOT = Path(__file__).resolve().parents[1]
-DEVICE_TRITON = ROOT / ".venv" / "triton-device"  # scripts/setup_device_triton.sh
-
-
-def _compile_all(extra_path: str | None = None) -> str:
+def _env(extra_path: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join([extra_path, str(ROOT / "src"), str(ROOT / "lab" / "src"),
                                              env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
+    return env
+
+
+CHILDREN = Children(__file__, _env, timeout=900)
+
+
+def _compile_all(extra_path: str | None = None) -> str:
+    return CHILDREN.output(extra_path)
 
 
 def test_kernels_compile_for_sm90():

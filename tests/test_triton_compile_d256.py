@@ -13,11 +13,11 @@ kernels.
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from compile_children import DEVICE_TRITON, ROOT, Children
 
 pytest.importorskip("triton")
 
@@ -126,18 +126,20 @@ def main() -> None:
     print("compiled")
 
 
-ROOT = Path(__file__).resolve().parents[1]
-DEVICE_TRITON = ROOT / ".venv" / "triton-device"  # scripts/setup_device_triton.sh
-
-
-def _compile_all(extra_path: str | None = None) -> str:
+def _env(extra_path: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([p for p in (extra_path, str(ROOT / "src"), str(ROOT / "tests"),
                                                      env.get("PYTHONPATH", "")) if p])
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1500)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    print(r.stdout)  # each kernel's resources (pytest -s shows them)
-    return r.stdout
+    return env
+
+
+CHILDREN = Children(__file__, _env, timeout=1500)
+
+
+def _compile_all(extra_path: str | None = None) -> str:
+    out = CHILDREN.output(extra_path)
+    print(out)  # each kernel's resources (pytest -s shows them)
+    return out
 
 
 @pytest.mark.compile_heavy(240)
