@@ -3,7 +3,8 @@ against vLLM's FLASH_ATTN, same script, same engine settings, same prompts.
 
 Each (model, backend) runs in its own engine process (random weights from ``configs/``, token-id
 prompts, as :mod:`kvlocks_lab.bench.vllm_tpot`), with ``max_num_seqs`` the largest concurrency and
-``max_model_len`` the longest context plus the new tokens. For every context and concurrency ``N``,
+``max_model_len`` the longest context plus the new tokens; one short request runs first, so that
+the kernels are compiled before anything is timed. For every context and concurrency ``N``,
 ``N`` fresh random prompts of ``context`` tokens are submitted at once, ``--new-tokens`` outputs
 each (greedy, EOS ignored), twice:
 
@@ -103,6 +104,9 @@ def _worker(spec: dict) -> list[dict]:
     init_s, pool = time.time() - t0, _pool_tokens(llm)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
+    warmup = [{"prompt_token_ids": [rng.randrange(spec["vocab"]) for _ in range(256)]}]
+    llm.generate(warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)  # kernels compiled before the first timed pass
     rows = []
     for ctx, ns in sorted(cells):
         for n in sorted(ns):
