@@ -10,6 +10,7 @@ stock); stdout and stderr go to ``OUT_DIR/NAME.log``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -49,6 +50,18 @@ def worker_main(worker_args, fn) -> int:
     spec_path, out_path = worker_args
     Path(out_path).write_text(json.dumps(fn(json.loads(Path(spec_path).read_text()))))
     return 0
+
+
+def parse_args(ap: argparse.ArgumentParser, argv, worker) -> argparse.Namespace:
+    """A lab vLLM measurement's arguments: with ``--worker SPEC OUT`` (how :func:`run` starts the
+    process) runs ``worker`` on the spec and exits; otherwise ``--out`` is required."""
+    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        raise SystemExit(worker_main(args.worker, worker))
+    if args.out is None:
+        ap.error("--out is required")
+    return args
 
 
 def run_rows(module: str, spec: dict, out: Path, timeout: int, ident: dict) -> list[dict]:

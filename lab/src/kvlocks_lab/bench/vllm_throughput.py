@@ -147,12 +147,7 @@ def main(argv=None) -> int:
                          "prefill: the model prefills every prompt (minutes per pass at 128K x 16)")
     ap.add_argument("--prefix-seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process")
-    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        return engine_process.worker_main(args.worker, _worker)
-    if args.out is None:
-        ap.error("--out is required")
+    args = engine_process.parse_args(ap, argv, _worker)
     if args.new_tokens < 2 or min(args.concurrency) < 1 or min(args.contexts) < 16:
         ap.error("--new-tokens must be >= 2, every --concurrency >= 1 and every --contexts >= 16")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -276,12 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after each cell's TPOT, GPU time per kernel class of one decode step, from this many "
                          "steps under torch.profiler (0: no profile)")
-    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        return engine_process.worker_main(args.worker, _worker)
-    if args.out is None:
-        ap.error("--out is required")
+    args = engine_process.parse_args(ap, argv, _worker)
     if args.new_tokens < 2 or any(b < 1 for b in args.batches):
         ap.error("--new-tokens must be >= 2 and every batch >= 1")
     for c in args.contexts:

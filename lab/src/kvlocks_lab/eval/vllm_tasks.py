@@ -122,14 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per engine process")
-    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        from kvlocks_lab.bench.engine_process import worker_main
+    from kvlocks_lab.bench import engine_process
 
-        return worker_main(args.worker, _worker)
-    if args.out is None:
-        ap.error("--out is required")
+    args = engine_process.parse_args(ap, argv, _worker)
     from kvlocks.models import resolve
     from kvlocks_lab.eval.report import git_commit
     from kvlocks_lab.eval.suite import task_names
