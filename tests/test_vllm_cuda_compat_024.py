@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 from kvlocks.config import LocksConfig  # noqa: E402
 from kvlocks.integrations.vllm.compat import VllmCompatError  # noqa: E402
 from kvlocks.integrations.vllm.cuda import compat as cuda_compat  # noqa: E402
-from kvlocks.integrations.vllm.cuda.step import LocksDecoder, LocksStep, PlanPool, step_lens  # noqa: E402
+from kvlocks.integrations.vllm.cuda.step import LocksDecoder, PlanPool  # noqa: E402
+from test_vllm_cuda_step import bound_step  # noqa: E402
 
 S, HKV, G, D, NB = 16, 2, 3, 64, 24
 CFG = LocksConfig(budget=64, rerank=0)  # k = 4 pages
@@ -74,11 +75,6 @@ def test_kv_forms_by_shape():
         cuda_compat.split_flash_kv_cache(torch.zeros(NB, 3, S, HKV, D), HKV, D)
 
 
-def _slots(row_blocks, n):
-    tok = torch.arange(n)
-    return torch.tensor(row_blocks)[tok // S] * S + tok % S
-
-
 def _decode(kv, backend):
     """One uniform decode step of three rows (two LOCKS rows, one that fits the budget) over ``kv``."""
     keys, values = cuda_compat.split_flash_kv_cache(kv, HKV, D)
@@ -86,16 +82,11 @@ def _decode(kv, backend):
     lens = torch.tensor([120, 40, 97], dtype=torch.int32)
     qsl = torch.arange(4, dtype=torch.int32)
     dec = LocksDecoder(CFG, num_kv_heads=HKV, group=G, head_dim=D, scale=D ** -0.5, pool=PlanPool(), backend=backend)
-    store = dec.bind(keys)
-    for r in range(3):
-        store.note_writes(_slots(blocks[r].tolist(), int(lens[r])))
-    sparse, _, locks = step_lens(qsl, lens, S, CFG.pages_per_step)
-    step = LocksStep(num_reqs=3, uniform_decode=True, query_start_loc=qsl, seq_lens=lens, block_table=blocks,
-                     sparse=sparse, locks_lens=locks)
+    step = bound_step(dec, keys, blocks, lens, qsl)
     query = torch.randn(3, HKV * G, D, generator=torch.Generator().manual_seed(2)) * 2
     output = torch.zeros_like(query)
     dec.run(step, query, keys, values, output, captured=False)
-    return output, sparse
+    return output, step.sparse
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -104,6 +104,17 @@ def _slots(row_blocks, n):
     return torch.tensor(row_blocks)[tok // S] * S + tok % S
 
 
+def bound_step(dec, keys, blocks, lens, qsl, uniform: bool = True) -> LocksStep:
+    """Bind ``dec`` to ``keys``, note every row's ``lens`` tokens as written in its ``blocks``, and
+    the step over those rows (``step_lens`` marks the rows that select)."""
+    store = dec.bind(keys)
+    for r in range(len(lens)):
+        store.note_writes(_slots(blocks[r].tolist(), int(lens[r])))
+    sparse, _, locks = step_lens(qsl, lens, S, dec.config.pages_per_step)
+    return LocksStep(num_reqs=len(lens), uniform_decode=uniform, query_start_loc=qsl, seq_lens=lens,
+                     block_table=blocks.to(torch.int32), sparse=sparse, locks_lens=locks)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_store_tags_catch_rewrites_and_moves(backend):
     raw, kv = _fake_cache()
@@ -181,12 +192,7 @@ def _batch(backend, captured_lens=None):
     qsl = torch.tensor([0] + torch.tensor(qlen).cumsum(0).tolist(), dtype=torch.int32)
     dec = LocksDecoder(CFG, num_kv_heads=HKV, group=G, head_dim=D, scale=D ** -0.5, pool=PlanPool(),
                        backend=backend)
-    store = dec.bind(keys)
-    for r in range(4):
-        store.note_writes(_slots(blocks[r].tolist(), int(lens[r])))
-    sparse, _, locks = step_lens(qsl, lens, S, CFG.pages_per_step)
-    step = LocksStep(num_reqs=4, uniform_decode=bool(captured_lens), query_start_loc=qsl, seq_lens=lens,
-                     block_table=blocks.to(torch.int32), sparse=sparse, locks_lens=locks)
+    step = bound_step(dec, keys, blocks, lens, qsl, uniform=bool(captured_lens))
     gen = torch.Generator().manual_seed(5)
     query = torch.randn(int(qsl[-1]), HKV * G, D, generator=gen)
     output = torch.randn(int(qsl[-1]), HKV * G, D, generator=gen)  # what FlashAttention wrote
@@ -307,12 +313,7 @@ def test_decode_step_selects_the_token_major_reference_pages_in_every_mode(mode,
     lens = torch.tensor([140, 40, 97], dtype=torch.int32)
     qsl = torch.arange(4, dtype=torch.int32)
     dec = LocksDecoder(cfg, num_kv_heads=HKV, group=G, head_dim=D, scale=D ** -0.5, pool=PlanPool(), backend=backend)
-    store = dec.bind(keys)
-    for r in range(3):
-        store.note_writes(_slots(blocks[r].tolist(), int(lens[r])))
-    sparse, _, locks = step_lens(qsl, lens, S, cfg.pages_per_step)
-    step = LocksStep(num_reqs=3, uniform_decode=True, query_start_loc=qsl, seq_lens=lens, block_table=blocks,
-                     sparse=sparse, locks_lens=locks)
+    step = bound_step(dec, keys, blocks, lens, qsl)
     query = torch.randn(3, HKV * G, D, generator=torch.Generator().manual_seed(8)) * 2
     output = torch.zeros_like(query)
     dec.trace_path = str(tmp_path / "trace.jsonl")
@@ -324,7 +325,7 @@ def test_decode_step_selects_the_token_major_reference_pages_in_every_mode(mode,
         slots = _slots(blocks[r].tolist(), n)
         k = raw[slots // S, slots % S, :, :D].transpose(0, 1)  # [Hkv, n, D]
         v = raw[slots // S, slots % S, :, D:].transpose(0, 1)
-        view = LayerView(keys=k, summaries=store.summaries.gather(blocks[r, : n // S]), token_mask=None,
+        view = LayerView(keys=k, summaries=dec.store.summaries.gather(blocks[r, : n // S]), token_mask=None,
                          scale=D ** -0.5)
         q = query[r].view(HKV, G, D)
         pages = choose_pages(q, view, cfg, get_selector("locks"))
