@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     cfg = LocksConfig(budget=2048)
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in args.shapes:
         for width in args.widths:
@@ -101,8 +102,7 @@ def main() -> int:
                         print(f"skipped {shape} {ctx} x {bsz}: its K/V exceed {MAX_KV_BYTES / 1e9:.0f} GB", flush=True)
                         continue
                     rows += one_case(shape, ctx, bsz, width, args.chunks, args.layers, cfg)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_result(args.out / "plan_width.json", rows)
+                    write_result(args.out / "plan_width.json", rows)  # after each case: a cut-off run keeps its rows
     return 0
 
 
