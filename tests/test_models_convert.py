@@ -31,6 +31,9 @@ def test_concurrent_first_use_converts_once_and_every_process_reads_it(tmp_path)
     assert len(got[0]["ids"]) > 5
     # one directory, no temporary folder left behind
     assert sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m"]
+    # the conversion names the model class (vLLM reads it)
+    config = json.loads((tmp_path / "models" / "smollm2-135m" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_gemma_is_bundled_and_checked_without_converting(tmp_path, monkeypatch):
@@ -118,3 +121,21 @@ def test_load_refuses_a_converted_directory_whose_tokenizer_differs(monkeypatch)
     monkeypatch.setitem(BUNDLED, "smollm2-135m", {**BUNDLED["smollm2-135m"], "canary": (1, 2, 3)})
     with pytest.raises(RuntimeError, match="smollm2-135m.*does not tokenize"):
         load("smollm2-135m")
+
+
+def test_converted_directories_name_their_model_class(tmp_path, monkeypatch):
+    """vLLM picks the model class from ``architectures``; without it a ``gemma3_text`` directory is
+    served as an embedding model. A fresh conversion writes it; an older one gains it on first use."""
+    from kvlocks.models import BUNDLED, resolve
+    from kvlocks.models.bundled import _MARKER, converted_dir
+
+    assert json.loads((resolve("smollm2-135m") / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    monkeypatch.setenv("KVLOCKS_MODEL_DIR", str(tmp_path))
+    old = tmp_path / "gemma3-270m"
+    old.mkdir()
+    (old / _MARKER).write_text("converted\n")
+    (old / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "hidden_size": 640}))
+    assert converted_dir("gemma3-270m") == old
+    config = json.loads((old / "config.json").read_text())
+    assert config == {"model_type": "gemma3_text", "hidden_size": 640, "architectures": ["Gemma3ForCausalLM"]}
+    assert {info["architecture"] for info in BUNDLED.values()} == {"LlamaForCausalLM", "Gemma3ForCausalLM"}

