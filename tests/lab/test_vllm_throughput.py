@@ -65,3 +65,33 @@ def test_a_failed_engine_is_one_row_with_its_error_and_the_summary_counts_it(tmp
     assert summary["errors"] == 1 and summary["rows"] == 1 and summary["extra"] == 1
     assert summary["settings"] == {"out": str(tmp_path)} and "commit" in summary and "date" in summary
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+WORKER = """
+import json, sys
+from pathlib import Path
+spec_path, out_path = sys.argv[2], sys.argv[3]
+spec = json.loads(Path(spec_path).read_text())
+runs = Path(spec["runs"])
+runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+Path(out_path).write_text(json.dumps({"doubled": spec["n"] * 2}))
+"""
+
+
+def test_an_engine_that_finished_with_the_same_spec_is_reused_not_run_again(tmp_path, monkeypatch):
+    import os
+
+    from kvlocks_lab.bench import engine_process
+
+    (tmp_path / "fake_worker.py").write_text(WORKER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out, runs = tmp_path / "out", tmp_path / "runs.txt"
+    out.mkdir()
+    spec = {"n": 3, "runs": str(runs)}
+    assert engine_process.run("fake_worker", spec, out, "e", 60)[0] == {"doubled": 6}
+    assert engine_process.run("fake_worker", spec, out, "e", 60, reuse=True)[0] == {"doubled": 6}
+    assert runs.read_text() == "x"  # reused: not run again
+    assert engine_process.run("fake_worker", {**spec, "n": 4}, out, "e", 60, reuse=True)[0] == {"doubled": 8}
+    assert runs.read_text() == "xx"  # another spec runs
+    assert engine_process.run("fake_worker", {**spec, "n": 4}, out, "e", 60)[0] == {"doubled": 8}
+    assert runs.read_text() == "xxx"  # without reuse it always runs

@@ -19,10 +19,14 @@ import time
 from pathlib import Path
 
 
-def run(module: str, spec: dict, out: Path, name: str, timeout: int) -> tuple[object, str]:
+def run(module: str, spec: dict, out: Path, name: str, timeout: int, reuse: bool = False) -> tuple[object, str]:
     """``(result, log text)``: the worker's JSON result, or a :class:`Failure` when it exited
-    non-zero or ran past ``timeout`` seconds."""
+    non-zero or ran past ``timeout`` seconds. ``reuse``: a result already in ``out`` from the same
+    spec (an earlier run cut off after this engine) is returned without running it again."""
     spec_path, res_path, log = out / f"{name}.spec.json", out / f"{name}.out.json", out / f"{name}.log"
+    if reuse and res_path.is_file() and spec_path.is_file() and json.loads(spec_path.read_text()) == spec:
+        return json.loads(res_path.read_text()), log.read_text(errors="replace") if log.is_file() else ""
+    res_path.unlink(missing_ok=True)
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     env.pop("KVLOCKS_VLLM_CONFIG", None)

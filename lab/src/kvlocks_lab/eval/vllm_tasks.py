@@ -68,12 +68,13 @@ def _worker(spec: dict) -> dict:
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "init_s": init_s, "gen_s": time.time() - t1}
 
 
-def run_engine(spec: dict, out: Path, name: str, timeout: int) -> dict:
+def run_engine(spec: dict, out: Path, name: str, timeout: int, reuse: bool = False) -> dict:
     """One engine in its own process: its result with the plugin's layer table lines from its log,
-    or an error with the log's tail."""
+    or an error with the log's tail. ``reuse``: an engine that already finished in ``out`` with the
+    same spec is not run again."""
     from kvlocks_lab.bench import engine_process
 
-    res, text = engine_process.run("kvlocks_lab.eval.vllm_tasks", spec, out, name, timeout)
+    res, text = engine_process.run("kvlocks_lab.eval.vllm_tasks", spec, out, name, timeout, reuse=reuse)
     layers = [line.split("] ", 1)[-1] for line in text.splitlines() if any(k in line for k in LAYER_LINES)]
     if isinstance(res, engine_process.Failure):
         return {"error": res.error, "log_tail": res.log_tail, "layer_table": layers}
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per engine process")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the engines that already finished in --out with the same settings (a run cut off "
+                         "by a time limit continues where it stopped)")
     from kvlocks_lab.bench import engine_process
 
     args = engine_process.parse_args(ap, argv, _worker)
@@ -150,7 +154,7 @@ def main(argv=None) -> int:
     commit, results, rows, ref = git_commit(), {}, [], None
     for method, budget in engines:
         name = method if budget is None else f"{method}_{budget}"
-        res = run_engine({**base, "budget": budget}, args.out, name, args.timeout)
+        res = run_engine({**base, "budget": budget}, args.out, name, args.timeout, reuse=args.resume)
         results[name] = {k: v for k, v in res.items() if k != "tokens"}
         print(json.dumps({"engine": name, **{k: results[name].get(k) for k in ("init_s", "gen_s", "error")}}),
               flush=True)
