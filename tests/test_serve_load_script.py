@@ -1,9 +1,18 @@
-"""scripts/gpu/serve_load.py's judgement of the hostile files' requests, by hand."""
+"""scripts/gpu/serve_load.py's judgements by hand: the hostile files' requests, a served request's
+tokens against its run alone (equal, a tie flip, wrong), and the result folder packed into one archive."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import random
+import tarfile
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvlocks_lab.bench.serve_load import _add_logprobs, compare_tokens, pack_outputs, preempted_requests
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "serve_load.py"
 
@@ -50,8 +59,6 @@ def test_a_random_weight_plan_spans_its_contexts_with_token_ids_in_the_vocabular
 
 
 def test_bad_model_arguments_are_refused(tmp_path, capsys):
-    import pytest
-
     m = _module()
     with pytest.raises(SystemExit):
         m.main(["--out", str(tmp_path / "o"), "--model-dir", str(tmp_path)])
@@ -59,3 +66,82 @@ def test_bad_model_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         m.main(["--out", str(tmp_path / "o"), "--min-context", "9000"])
     assert "--min-context 9000: must be >= 16 and below --max-model-len 8192" in capsys.readouterr().err
+
+
+def test_a_difference_is_a_tie_flip_only_between_runners_up_at_a_small_margin():
+    assert compare_tokens([5, 7, 9], [5, 7, 9])["verdict"] == "equal"
+    want_top = [{"5": -0.1, "6": -3.0}, {"7": -0.70, "8": -0.72}, {"9": -0.2, "1": -2.0}]
+    got_top = [{"5": -0.1, "6": -3.0}, {"8": -0.69, "7": -0.71}, {"9": -0.2, "1": -2.0}]
+    c = compare_tokens([5, 8, 9], [5, 7, 9], got_top, want_top, tol=0.05)
+    assert (c["verdict"], c["first_difference"]) == ("tie", 1)
+    assert c["reference_margin"] == pytest.approx(0.02) and c["served_margin"] == pytest.approx(0.02)
+    # 2.4 nats on the reference's side and 2.95 on the served side: a real difference
+    far = compare_tokens([5, 8, 9], [5, 7, 9], [None, {"8": -0.05, "7": -3.0}], [None, {"7": -0.1, "8": -2.5}])
+    assert far["verdict"] == "wrong" and far["reference_margin"] == pytest.approx(2.4)
+    # a close call on one side is enough when the two tokens are each other's runner-up on both
+    one = compare_tokens([5, 8, 9], [5, 7, 9], [None, {"8": -0.05, "7": -3.0}], [None, {"7": -0.70, "8": -0.72}])
+    assert one["verdict"] == "tie"
+    # a close reference, but the served token was not its runner-up
+    third = compare_tokens([5, 8, 9], [5, 7, 9], None, [None, {"7": -0.70, "3": -0.71}])
+    assert third["verdict"] == "wrong" and third["reference_margin"] == pytest.approx(0.01)
+    # no reference log-probabilities (the CPU runner): the served side alone, against the tolerance
+    served_only = [None, {"8": -0.690, "7": -0.695}]
+    assert compare_tokens([5, 8, 9], [5, 7, 9], served_only, None, tol=0.05)["verdict"] == "tie"
+    assert compare_tokens([5, 8, 9], [5, 7, 9], served_only, None, tol=1e-3)["verdict"] == "wrong"
+    assert compare_tokens([5, 8, 9], [5, 7, 9])["verdict"] == "wrong"  # nothing known
+    # a different length or finish (one a prefix of the other) is wrong whatever the margins
+    short = compare_tokens([5, 7], [5, 7, 9], got_top, want_top)
+    assert (short["verdict"], short["first_difference"], short["reference_margin"]) == ("wrong", 2, None)
+
+
+def test_served_top_logprobs_are_keyed_by_token_id():
+    row = {"logprobs": []}
+    _add_logprobs(row, SimpleNamespace(logprobs=SimpleNamespace(top_logprobs=[{"token_id:7": -0.1, "token_id:8": -2.0},
+                                                                              None])))
+    _add_logprobs(row, SimpleNamespace(logprobs=None))
+    assert row["logprobs"] == [{"7": -0.1, "8": -2.0}, {}]
+
+
+def test_differences_mark_kinds_preemption_and_the_final_request():
+    m = _module()
+    plan = [{"id": "req_0", "kind": "main"}, {"id": "req_1", "kind": "main"},
+            {"id": "file_a", "kind": "file", "key": "k"}]
+    close, far = {"3": -0.50, "4": -0.51}, {"3": -0.1, "4": -4.0}
+
+    def row(rid, tokens, top=None):
+        return {"id": rid, "tokens": tokens, "logprobs": top, "error": None, "finish": "length", "prompt_tokens": 9}
+
+    res = {"rows": [row("req_0", [1, 4], [{}, {"4": -0.5, "3": -0.52}]),
+                    row("req_1", [1, 4], [{}, {"4": -0.1, "3": -4}]), row("file_a", [2, 2])],
+           "final": [row("final", [1, 4], [{}, {"4": -0.5, "3": -0.52}])], "preempted": {"req_0": True, "req_1": False}}
+    alone = {"tokens": [[1, 3], [1, 3]], "logprobs": [[{}, close], [{}, far]]}
+    diff, final = m.differences(plan, {"hf": {"k": [2, 3]}}, res, alone, 0.05)
+    assert [(d["id"], d["kind"], d["verdict"], d["preempted"]) for d in diff] == [
+        ("req_0", "main", "tie", True), ("req_1", "main", "wrong", False), ("file_a", "file", "wrong", None)]
+    assert (final["verdict"], final["first_difference"]) == ("tie", 1)
+
+
+def test_preempted_requests_are_named_by_the_server_record(tmp_path):
+    rec = tmp_path / "p.txt"
+    assert preempted_requests(rec, ["req_1"], 2) is None  # no record
+    rec.write_text("cmpl-req_1-0-1a2b3c4d\ncmpl-soak0_req_1-0-5e6f\n")
+    assert preempted_requests(rec, ["req_1", "req_10", "final"], 2) == {"req_1": True, "req_10": False, "final": False}
+    assert preempted_requests(rec, ["other"], 2) is None  # preemptions the record does not name
+    rec.write_text("")
+    assert preempted_requests(rec, ["req_1"], 0) == {"req_1": False}
+
+
+def test_the_result_folder_packs_into_one_archive(tmp_path):
+    (tmp_path / "serve_load.json").write_text(json.dumps({"requests": 1}))
+    (tmp_path / "serve.log").write_text("log")
+    (tmp_path / "caches").mkdir()
+    (tmp_path / "caches" / "a.safetensors").write_bytes(b"x" * 1000)
+    assert pack_outputs(tmp_path, {"serve_load.json"}, "files.tgz") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["files.tgz", "serve_load.json"]
+    with tarfile.open(tmp_path / "files.tgz") as tar:
+        assert sorted(tar.getnames()) == ["caches", "caches/a.safetensors", "serve.log"]
+    (tmp_path / "big").write_bytes(random.Random(0).randbytes(300_000))  # gzip cannot shrink it
+    (tmp_path / "small.txt").write_text("s")
+    assert pack_outputs(tmp_path, {"serve_load.json"}, "files.tgz", limit=100_000) == ["big"]
+    with tarfile.open(tmp_path / "files.tgz") as tar:
+        assert tar.getnames() == ["small.txt"]

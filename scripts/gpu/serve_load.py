@@ -16,15 +16,22 @@ The plan: ``--requests`` prompts from 1K tokens to the model's limit (less the n
 streamed and not; four streams the client closes after three chunks; two over-length prompts;
 three requests continuing compacted-cache files through the kvlocks connector, one file for other
 weights and one changed after saving. A pool of ``--blocks`` (default: 60 % of the plan's demand)
-with prefix caching forces preemption. Counted: ``requests``, ``wrong_tokens`` (completed requests
+with prefix caching forces preemption. Counted: ``requests``, ``differing`` (completed requests
 whose tokens differ from the same request served alone by the LOCKS backend; the compacted files
-against the Hugging Face path), ``stale_summaries`` (summaries used that were built from other keys:
-``KVLOCKS_VLLM_VERIFY`` in the server, its counters written at exit), ``refusals`` (status and
-reason), ``hostile`` and ``hostile_violations`` (what the hostile files' requests got, against what
-is allowed: :func:`hostile_outcomes`), ``preemptions``, ``server_alive``, ``final_request_correct``, ``peak_gpu_memory`` against
-the configured share (``nvidia-smi`` sampled every second). vLLM preempts by recomputation, so a
-preempted sparse request may continue differently from its run alone (docs/vllm.md, reuse test):
-``wrong_tokens`` lists them with the first differing position for that reason.
+against the Hugging Face path), split into ``tie_flips`` and ``wrong_tokens`` by the top-2
+log-probabilities both sides record (:func:`kvlocks_lab.bench.serve_load.compare_tokens`: at the
+first differing position the two tokens are each other's runner-up with a margin under
+``--tie-tol``; the compacted files have no log-probabilities and must match exactly), each in
+``differences`` with its first differing position, both margins, whether it was preempted (the
+server's request statistics) and its prompt length; ``stale_summaries`` (summaries used that were
+built from other keys: ``KVLOCKS_VLLM_VERIFY`` in the server, its counters written at exit),
+``refusals``, ``hostile`` and ``hostile_violations`` (:func:`hostile_outcomes`), ``preemptions``,
+``server_alive``, ``final_request_correct`` (``plan[0]`` again after the soak against it alone:
+equal or a tie flip, in ``final_request``), ``peak_gpu_memory_mib`` against the configured share
+(``nvidia-smi`` every second). vLLM preempts by recomputation and batches by load, so bf16 greedy
+tokens may flip at near-ties. Everything but ``serve_load.json`` (logs, specs, references,
+counters, the compacted files) ends in ``OUT/serve_load_files.tgz``, also after a failure (then
+``serve_load.json`` holds the error).
 """
 
 from __future__ import annotations
@@ -33,11 +40,10 @@ import argparse
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +91,7 @@ def make_plan(n: int, max_len: int, files: dict | None, max_tokens: int, low: in
     for i in range(n):
         length = low + (top - low) * i // max(n - 1, 1) if top > low else 100 + 30 * i
         plan.append({"id": f"req_{i}", "kind": "main", "prompt": _p(length, i), "max_tokens": max_tokens,
-                     "stream": i % 2 == 1})
+                     "stream": i % 2 == 1, "logprobs": 2})
     for i in range(4):
         plan.append({"id": f"cancel_{i}", "kind": "cancel", "prompt": _p(min(2000, top), 100 + i),
                      "max_tokens": 200, "stream": True, "cancel_after": 3})
@@ -108,49 +114,6 @@ def make_plan(n: int, max_len: int, files: dict | None, max_tokens: int, low: in
     return plan
 
 
-class MemorySampler(threading.Thread):
-    """Peak device memory in use (MiB, ``nvidia-smi``) while it runs; None without nvidia-smi."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.total, self.stop = None, None, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"]
-                out = subprocess.run(query,
-                                     capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
-                used, total = (int(x) for x in out.split(","))
-                self.peak, self.total = max(self.peak or 0, used), total
-            except Exception:  # noqa: BLE001 - no nvidia-smi (the CPU smoke run)
-                return
-            time.sleep(1.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_up(proc, base: str, log: Path, limit: float = 420) -> None:
-    import openai
-
-    client = openai.OpenAI(base_url=base, api_key="unused", timeout=30, max_retries=0)
-    deadline = time.time() + limit
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            client.models.list()
-            return
-        except openai.APIConnectionError:
-            if time.time() > deadline:
-                raise SystemExit(f"vllm serve did not come up in {limit} s") from None
-            time.sleep(2)
-
-
 def model_path(args) -> str:
     """The served weights: ``--model-dir`` (random weights) or the bundled model."""
     from kvlocks.models import resolve
@@ -158,19 +121,21 @@ def model_path(args) -> str:
     return str(args.model_dir) if args.model_dir else str(resolve("smollm2-135m"))
 
 
-def serve(args, plan, files, out: Path, served_json: str) -> dict:
-    from kvlocks_lab.bench.serve_load import run_load, server_metric
+def serve(args, plan, files, out: Path, served_json: str, res: dict) -> None:
+    """The server under the plan at once, the soak and the final request; fills ``res``."""
+    from kvlocks_lab.bench.serve_load import (MemorySampler, free_port, preempted_requests, run_load, server_command,
+                                              server_metric, wait_up)
 
-    port = _free_port()
+    port, record = free_port(), out / "preempted.txt"
     env = {**os.environ, "KVLOCKS_VLLM_CONFIG": served_json, "KVLOCKS_VLLM_VERIFY": "1",
            "KVLOCKS_VLLM_COUNTERS": str(out / "counters.json"), "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if args.cpu:
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "KVLOCKS_VLLM_TRACE": str(out / "trace.jsonl")})
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(args),
+        cmd = [*server_command("vllm.entrypoints.openai.api_server", record), "--model", model_path(args),
                "--dtype", "float32", "--enforce-eager", "--block-size", "32"]
     else:
         env["VLLM_BATCH_INVARIANT"] = "1"  # a request's tokens do not depend on its batch
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path(args),
+        cmd = [*server_command("vllm.entrypoints.cli.main", record), "serve", model_path(args),
                "--dtype", "bfloat16", "--block-size", "16", "--gpu-memory-utilization", str(args.share)]
     if args.model_dir:
         cmd += ["--load-format", "dummy", "--skip-tokenizer-init"]
@@ -186,17 +151,18 @@ def serve(args, plan, files, out: Path, served_json: str) -> dict:
     log_path = out / "serve.log"
     sampler = MemorySampler()
     sampler.start()
-    res: dict = {"command": cmd}
+    res["command"] = cmd
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}/v1"
         try:
             t0 = time.time()
-            _wait_up(proc, base, log_path)
+            wait_up(proc, base, log_path)
             res["startup_s"] = round(time.time() - t0, 1)
-            res["rows"], res["seconds"] = run_load(base, SERVED, plan)
+            res["rows"], res["seconds"] = run_load(base, SERVED, [{**r, "request_id": r["id"]} for r in plan])
             res["soak"] = soak(base, plan, args.soak_s)
-            res["final"], _ = run_load(base, SERVED, [{**plan[0], "id": "final", "stream": False}])
+            final = {**plan[0], "id": "final", "request_id": "final", "stream": False}
+            res["final"], _ = run_load(base, SERVED, [final])
             res["preemptions"] = server_metric(base, "vllm:num_preemptions_total")
             res["server_alive"] = proc.poll() is None
         finally:
@@ -207,7 +173,7 @@ def serve(args, plan, files, out: Path, served_json: str) -> dict:
                 proc.kill()
             sampler.stop.set()
     res["peak_gpu_memory_mib"], res["gpu_total_mib"] = sampler.peak, sampler.total
-    return res
+    res["preempted"] = preempted_requests(record, [r["id"] for r in plan] + ["final"], res.get("preemptions"))
 
 
 def soak(base: str, plan: list[dict], seconds: float) -> dict:
@@ -224,8 +190,9 @@ def soak(base: str, plan: list[dict], seconds: float) -> dict:
     return {"rounds": rounds, "completed": done, "failed": failed, "seconds": round(time.time() - t0, 1)}
 
 
-def references(args, plan, out: Path, locks_json: str) -> list[list[int]]:
-    """Each main request alone through the LOCKS backend in an offline engine (same settings)."""
+def references(args, plan, out: Path, locks_json: str) -> dict:
+    """Each main request alone through the LOCKS backend in an offline engine (same settings):
+    ``tokens`` and, where the runner records them, ``logprobs`` (top 2 a position)."""
     main = [r for r in plan if r["kind"] == "main"]
     where = ROOT / "tests" / ("vllm" if args.cpu else "vllm_gpu")
     llm = {"max_model_len": args.max_model_len, "enable_prefix_caching": False}
@@ -235,8 +202,9 @@ def references(args, plan, out: Path, locks_json: str) -> list[list[int]]:
         llm.update({"dtype": "float32", "block_size": 32})
     else:
         llm.update({"dtype": "bfloat16", "block_size": 16, "gpu_memory_utilization": args.share})
-    spec = {"llm": llm, "prompts": [r["prompt"] for r in main], "max_tokens": main[0]["max_tokens"], "locks": locks_json,
-            "batches": [[i] for i in range(len(main))], "model": model_path(args)}
+    spec = {"llm": llm, "prompts": [r["prompt"] for r in main], "max_tokens": main[0]["max_tokens"],
+            "locks": locks_json, "batches": [[i] for i in range(len(main))], "model": model_path(args),
+            "logprobs": 2}  # engine_gpu.py records them; engine_run.py (the CPU runner) does not
     (out / "alone.spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_USE_FLASHINFER_SAMPLER": "0", **({} if args.cpu else {"VLLM_BATCH_INVARIANT": "1"})}
@@ -245,7 +213,7 @@ def references(args, plan, out: Path, locks_json: str) -> list[list[int]]:
     with open(out / "alone.log", "w") as log:
         subprocess.run([sys.executable, str(where / script), str(out / "alone.spec.json"), str(out / "alone.json")],
                        env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return json.loads((out / "alone.json").read_text())["tokens"]
+    return json.loads((out / "alone.json").read_text())
 
 
 def compacted_files(args, out: Path) -> dict | None:
@@ -295,21 +263,40 @@ def hostile_outcomes(plan, rows: dict, files) -> list[dict]:
     return out
 
 
+def differences(plan, files, res, alone: dict, tol: float) -> tuple[list[dict], dict]:
+    """Every completed main request against its run alone (:func:`compare_tokens`: equal, a tie flip
+    or wrong), the compacted files' against the Hugging Face path (exact: no log-probabilities), and
+    the final request against the first one alone. Returns the differing requests and the final's."""
+    from kvlocks_lab.bench.serve_load import compare_tokens
+
+    rows, pre = {r["id"]: r for r in res["rows"]}, res.get("preempted")
+    lps = alone.get("logprobs") or []
+    main = [r for r in plan if r["kind"] == "main"]
+    expected = {r["id"]: ("main", alone["tokens"][i], lps[i] if i < len(lps) else None) for i, r in enumerate(main)}
+    if files:
+        expected.update({r["id"]: ("file", files["hf"][r["key"]], None) for r in plan if r["kind"] == "file"})
+    out = []
+    for rid, (kind, want, want_top) in expected.items():
+        got = rows[rid]
+        if got["error"] is None and got["finish"] in ("length", "stop"):
+            c = compare_tokens(got["tokens"], want, got.get("logprobs"), want_top, tol)
+            if c["verdict"] != "equal":
+                out.append({"id": rid, "kind": kind, **c, "preempted": pre.get(rid) if pre else None,
+                            "prompt_tokens": got["prompt_tokens"]})
+    final = None
+    if res.get("final"):
+        got = res["final"][0]
+        final = {"finish": got["finish"], "error": got["error"], "preempted": pre.get("final") if pre else None,
+                 **compare_tokens(got["tokens"], alone["tokens"][0], got.get("logprobs"), lps[0] if lps else None, tol)}
+    return out, final
+
+
 def summary(args, plan, files, res, alone, out: Path) -> dict:
     from kvlocks_lab.bench.serve_load import summarize
 
     rows = {r["id"]: r for r in res["rows"]}
-    main = [r for r in plan if r["kind"] == "main"]
-    expected = {r["id"]: alone[i] for i, r in enumerate(main)}
-    if files:
-        expected.update({r["id"]: files["hf"][r["key"]] for r in plan if r["kind"] == "file"})
-    wrong = []
-    for rid, want in expected.items():
-        got = rows[rid]
-        if got["error"] is None and got["finish"] in ("length", "stop") and got["tokens"] != want:
-            first = next((j for j, (a, b) in enumerate(zip(got["tokens"], want)) if a != b),
-                         min(len(got["tokens"]), len(want)))
-            wrong.append({"id": rid, "first_difference": first, "prompt_tokens": got["prompt_tokens"]})
+    diff, final = differences(plan, files, res, alone, args.tie_tol)
+    final_ok = bool(final) and final["error"] is None and final["verdict"] in ("equal", "tie")
     share = None if args.cpu or not res.get("gpu_total_mib") else round(args.share * res["gpu_total_mib"])
     hostile = hostile_outcomes(plan, rows, files) if files else []
     return {
@@ -317,17 +304,20 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
         "server": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
         "startup_s": res.get("startup_s"),
         **summarize(res["rows"], res["seconds"]),
-        "wrong_tokens": len(wrong), "wrong": wrong, "compared": len(expected),
+        "compared": sum(r["kind"] in ("main", "file") for r in plan), "tie_tol": args.tie_tol,
+        "differing": len(diff), "wrong_tokens": sum(d["verdict"] == "wrong" for d in diff),
+        "tie_flips": sum(d["verdict"] == "tie" for d in diff), "differences": diff,
+        "preempted": None if res.get("preempted") is None else sorted(k for k, v in res["preempted"].items() if v),
         "stale_summaries": stale_summaries(args, out),
         "refusals": [{"id": r["id"], "status": r["status"], "reason": r["error"]} for r in res["rows"] if r["error"]],
-        "hostile": hostile,
-        "hostile_violations": sum(not h["ok"] for h in hostile),
+        "hostile": hostile, "hostile_violations": sum(not h["ok"] for h in hostile),
         "preemptions": res.get("preemptions"), "soak": res.get("soak"), "server_alive": res.get("server_alive"),
-        "final_request_correct": res["final"][0]["tokens"] == alone[0] if res.get("final") else False,
+        "final_request_correct": final_ok, "final_request": final,
         "peak_gpu_memory_mib": res.get("peak_gpu_memory_mib"), "configured_share_mib": share,
         "peak_within_share": (res["peak_gpu_memory_mib"] <= share)
         if share and res.get("peak_gpu_memory_mib") else None,
-        "rows": [{k: v for k, v in r.items() if k != "tokens"} | {"new_tokens": len(r["tokens"])} for r in res["rows"]],
+        "rows": [{k: v for k, v in r.items() if k not in ("tokens", "logprobs")} | {"new_tokens": len(r["tokens"])}
+                 for r in res["rows"]],
     }
 
 
@@ -347,19 +337,47 @@ def main(argv=None) -> None:
     p.add_argument("--model-dir", type=Path, help="a config-only model directory served with random weights "
                    "(e.g. lab/src/kvlocks_lab/bench/configs/llama3.1-8b); default: the bundled model")
     p.add_argument("--min-context", type=int, default=1000, help="the shortest main request's prompt tokens")
+    p.add_argument("--tie-tol", type=float, help="a differing token is a tie flip when the two tokens' "
+                   "log-probability margin is below this (nats; default 0.05, with --cpu 1e-3)")
     args = p.parse_args(argv)
     if args.model_dir and not (args.model_dir / "config.json").is_file():
         p.error(f"--model-dir {args.model_dir}: no config.json there")
     if not 16 <= args.min_context < args.max_model_len:
         p.error(f"--min-context {args.min_context}: must be >= 16 and below --max-model-len {args.max_model_len}")
+    if args.tie_tol is None:
+        args.tie_tol = 1e-3 if args.cpu else 0.05
     args.out.mkdir(parents=True, exist_ok=True)
+    from kvlocks_lab.bench.serve_load import pack_outputs, summarize
+
+    t0, state = time.time(), {}
+    try:
+        result = run(args, state)
+    except BaseException as exc:  # the summary file comes back all the same, with how far it got
+        res = state.get("res") or {}
+        result = {"error": f"{type(exc).__name__}: {exc}"[-4000:], "traceback": traceback.format_exc()[-8000:],
+                  "stage": state.get("stage"), "preemptions": res.get("preemptions"),
+                  **(summarize(res["rows"], res["seconds"]) if res.get("rows") else {})}
+        raise
+    finally:
+        result["total_s"] = round(time.time() - t0, 1)
+        (args.out / "serve_load.json").write_text(json.dumps(result, indent=1))
+        result["files_left_out"] = pack_outputs(args.out, {"serve_load.json"}, "serve_load_files.tgz")
+        (args.out / "serve_load.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in (
+        "requests", "completed", "cancelled", "refused", "differing", "tie_flips", "wrong_tokens", "stale_summaries",
+        "preemptions", "server_alive", "final_request_correct", "peak_gpu_memory_mib", "configured_share_mib",
+        "total_s")}))
+
+
+def run(args, state: dict) -> dict:
+    """Files, plan, server, references, summary; ``state`` tells a failure how far it got."""
     from kvlocks.config import LocksConfig
     from kvlocks.integrations.vllm.settings import PluginSettings, to_text
 
     config = LocksConfig(budget=args.budget)
     locks_json = config.to_json()  # the references' engines (engine_gpu.py, engine_run.py) select on every step
     served_json = to_text(config, PluginSettings(dense_below=0))  # and so does the server
-    t0 = time.time()
+    state["stage"] = "compacted files"
     files = compacted_files(args, args.out)
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"] if args.model_dir else None
     plan = make_plan(args.requests, args.max_model_len, files, MAX_TOKENS["cpu" if args.cpu else "cuda"],
@@ -368,14 +386,12 @@ def main(argv=None) -> None:
         bs = 32 if args.cpu else 16
         demand = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in plan if r["kind"] == "main")
         args.blocks = max(demand * 6 // 10, -(-args.max_model_len // bs) + 8)
-    res = serve(args, plan, files, args.out, served_json)
+    state["stage"] = "serve"
+    serve(args, plan, files, args.out, served_json, state.setdefault("res", {}))
+    state["stage"] = "references"
     alone = references(args, plan, args.out, locks_json)
-    result = summary(args, plan, files, res, alone, args.out)
-    result["total_s"] = round(time.time() - t0, 1)
-    (args.out / "serve_load.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("requests", "completed", "cancelled", "refused", "wrong_tokens",
-                                             "stale_summaries", "preemptions", "server_alive", "final_request_correct",
-                                             "peak_gpu_memory_mib", "configured_share_mib", "total_s")}))
+    state["stage"] = "summary"
+    return summary(args, plan, files, state["res"], alone, args.out)
 
 
 if __name__ == "__main__":

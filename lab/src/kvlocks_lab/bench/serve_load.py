@@ -5,7 +5,10 @@ client over loopback) and returns one row per request: what was sent, what came 
 via vLLM's ``return_token_ids``), the HTTP error of a refused request, and timings.
 :func:`summarize` turns the rows into the result file's numbers (requests by outcome, tokens per
 second, errors with their messages). :func:`server_metric` reads a counter from the server's
-Prometheus ``/metrics`` (``vllm:num_preemptions_total``: was preemption really forced?).
+Prometheus ``/metrics`` (``vllm:num_preemptions_total``: was preemption really forced?);
+:func:`server_command` starts the server so that it notes which requests were preempted
+(:func:`preempted_requests`), :func:`wait_up` waits for it, :class:`MemorySampler` follows the
+device memory; :func:`pack_outputs` puts a result folder's files into one archive.
 
 A request of the plan is a dict:
 
@@ -17,36 +20,55 @@ A request of the plan is a dict:
   server must abort the request and free its blocks);
 * ``kv_transfer_params`` (optional): sent as vLLM's request field (the kvlocks connector's file);
 * ``ignore_eos`` (optional, default True): so that a completed request yields exactly
-  ``max_tokens`` tokens to compare.
+  ``max_tokens`` tokens to compare;
+* ``logprobs`` (optional): the top log-probabilities of every generated token, recorded as
+  ``row["logprobs"]``, per position ``{token id as a string: log-probability}`` (tokens are asked
+  for as ``token_id:N``, which also works without a tokenizer, ``--skip-tokenizer-init``);
+* ``request_id`` (optional): sent as vLLM's ``request_id`` (the server's id is ``cmpl-<it>-<n>``).
 
-Decoding is greedy.
+Decoding is greedy. :func:`compare_tokens` judges a request's greedy tokens against a reference's,
+telling a flip at a near-tie (its log-probabilities) from a real difference.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 
 async def _one(client, model: str, req: dict) -> dict:
     import openai
 
     body = {"return_token_ids": True, "ignore_eos": req.get("ignore_eos", True)}
-    if req.get("kv_transfer_params"):
-        body["kv_transfer_params"] = req["kv_transfer_params"]
+    for key in ("kv_transfer_params", "request_id"):
+        if req.get(key):
+            body[key] = req[key]
+    kw = {}
+    if req.get("logprobs"):
+        kw["logprobs"], body["return_tokens_as_token_ids"] = req["logprobs"], True
     row = {"id": req["id"], "prompt_tokens": len(req["prompt"]), "max_tokens": req["max_tokens"],
            "stream": bool(req.get("stream")), "tokens": [], "finish": None, "error": None, "status": None}
+    if req.get("logprobs"):
+        row["logprobs"] = []
     t0 = time.perf_counter()
     try:
         if req.get("stream"):
             stream = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
-                                                     temperature=0.0, stream=True, extra_body=body)
+                                                     temperature=0.0, stream=True, extra_body=body, **kw)
             chunks = 0
             async for chunk in stream:
                 choice = chunk.choices[0] if chunk.choices else None
                 if choice is not None:
                     row["tokens"] += list(getattr(choice, "token_ids", None) or [])
+                    _add_logprobs(row, choice)
                     row["finish"] = choice.finish_reason or row["finish"]
                     if row.get("first_token_s") is None and row["tokens"]:
                         row["first_token_s"] = time.perf_counter() - t0
@@ -57,15 +79,24 @@ async def _one(client, model: str, req: dict) -> dict:
                     break
         else:
             out = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
-                                                  temperature=0.0, extra_body=body)
+                                                  temperature=0.0, extra_body=body, **kw)
             choice = out.choices[0]
             row["tokens"], row["finish"] = list(getattr(choice, "token_ids", None) or []), choice.finish_reason
+            _add_logprobs(row, choice)
     except openai.APIStatusError as exc:
         row["status"], row["error"] = exc.status_code, _message(exc)
     except openai.APIError as exc:  # a broken connection or a server that went away
         row["error"] = f"{type(exc).__name__}: {exc}"
     row["seconds"] = time.perf_counter() - t0
     return row
+
+
+def _add_logprobs(row: dict, choice) -> None:
+    """Append a choice's top log-probabilities to the row, keyed by token id (``token_id:N`` -> ``N``)."""
+    if "logprobs" not in row:
+        return
+    top = getattr(getattr(choice, "logprobs", None), "top_logprobs", None) or []
+    row["logprobs"] += [{k.removeprefix("token_id:"): v for k, v in (pos or {}).items()} for pos in top]
 
 
 def _message(exc) -> str:
@@ -111,3 +142,143 @@ def summarize(rows: list[dict], seconds: float) -> dict:
             "generated_tokens": generated, "wall_s": round(seconds, 2),
             "tokens_per_s": round(generated / seconds, 2) if seconds > 0 else None,
             "errors": [{"id": r["id"], "status": r["status"], "message": r["error"]} for r in refused]}
+
+
+def margin(top: dict | None, token: int) -> tuple[float | None, str | None]:
+    """``token``'s log-probability minus the best other one's in ``top`` (``{token id: logprob}``),
+    and that other token's id; (None, None) when ``top`` lacks the token or any other."""
+    if not top or str(token) not in top or len(top) < 2:
+        return None, None
+    other = max((k for k in top if k != str(token)), key=top.__getitem__)
+    return top[str(token)] - top[other], other
+
+
+def compare_tokens(got: list[int], want: list[int], got_top: list[dict] | None = None,
+                   want_top: list[dict] | None = None, tol: float = 0.05) -> dict:
+    """A served request's greedy tokens ``got`` against the reference's ``want``, with each one's top
+    log-probabilities per position (``{token id: logprob}``, None where not recorded).
+
+    ``equal``; ``tie`` when, at the first differing position ``j``, the two tokens are each other's
+    runner-up on every side whose log-probabilities are known (at least one) and the margin between
+    them is below ``tol`` on at least one side (a flip at a near-tie: numerics that depend on the
+    batch, the prefix cache's chunking or recomputation); ``wrong`` otherwise, also when one is a
+    prefix of the other (a different length or finish). Returns the verdict, ``first_difference``
+    and the margins at ``j`` (``reference_margin``: the reference's token over the next one,
+    ``served_margin`` likewise), None where unknown."""
+    if got == want:
+        return {"verdict": "equal", "first_difference": None, "reference_margin": None, "served_margin": None}
+    j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    res = {"verdict": "wrong", "first_difference": j, "reference_margin": None, "served_margin": None}
+    if j >= min(len(got), len(want)):
+        return res
+    sides = []
+    for name, top, mine, theirs in (("reference", want_top, want[j], got[j]), ("served", got_top, got[j], want[j])):
+        m, other = margin(top[j] if top and j < len(top) else None, mine)
+        res[f"{name}_margin"] = m
+        if m is not None:
+            sides.append((m, other == str(theirs)))
+    if sides and all(paired for _, paired in sides) and any(m < tol for m, _ in sides):
+        res["verdict"] = "tie"
+    return res
+
+
+class MemorySampler(threading.Thread):
+    """Peak device memory in use (MiB, ``nvidia-smi``) while it runs; None without nvidia-smi."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self.total, self.stop = None, None, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"]
+                out = subprocess.run(query,
+                                     capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
+                used, total = (int(x) for x in out.split(","))
+                self.peak, self.total = max(self.peak or 0, used), total
+            except Exception:  # noqa: BLE001 - no nvidia-smi (the CPU smoke run)
+                return
+            time.sleep(1.0)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(proc, base: str, log: Path, limit: float = 420) -> None:
+    """Wait until the server ``proc`` at ``base`` answers (exit with its ``log``'s end if it dies)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base, api_key="unused", timeout=30, max_retries=0)
+    deadline = time.time() + limit
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            client.models.list()
+            return
+        except openai.APIConnectionError:
+            if time.time() > deadline:
+                raise SystemExit(f"vllm serve did not come up in {limit} s") from None
+            time.sleep(2)
+
+
+_HOOK = """import runpy, sys
+path = sys.argv[1]
+try:
+    from vllm.v1.metrics.stats import IterationStats
+    original = IterationStats.update_from_events
+    def update_from_events(self, req_id, events, *args, **kwargs):
+        if any(getattr(e.type, "name", "") == "PREEMPTED" for e in events or ()):
+            with open(path, "a") as f:
+                f.write(req_id + "\\n")
+        return original(self, req_id, events, *args, **kwargs)
+    IterationStats.update_from_events = update_from_events
+    open(path, "a").close()
+except Exception as exc:
+    print("serve_load: no record of preempted requests:", exc, file=sys.stderr)
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def server_command(module: str, record: Path) -> list[str]:
+    """The command start that runs vLLM's entry point ``module`` (its arguments follow) with the API
+    process's request statistics appending the id of each request preempted to ``record``."""
+    return [sys.executable, "-c", _HOOK, str(record), module]
+
+
+def preempted_requests(record: Path, ids: list[str], count: float | None) -> dict | None:
+    """Per request id sent (as ``request_id``): preempted at least once, from :func:`server_command`'s
+    record; None when unknown (no record, or ``count`` preemptions and none of them named)."""
+    if not record.is_file():
+        return None
+    seen = {line.strip() for line in record.read_text().splitlines() if line.strip()}
+    named = {i for i in ids if any(s == f"cmpl-{i}" or s.startswith(f"cmpl-{i}-") for s in seen)}
+    if count and not named:
+        return None
+    return {i: i in named for i in ids}
+
+
+def pack_outputs(out: Path, keep: set[str], name: str, limit: int = 15 << 20) -> list[str]:
+    """Move everything in ``out`` but ``keep`` into ``out/name`` (a gzipped tar), so that few files
+    come back; past ``limit`` bytes it is packed again without the largest entries. Returns what
+    was left out of the archive (and deleted all the same)."""
+    entries = sorted(p for p in out.iterdir() if p.name not in keep | {name})
+    sizes = {p: sum(f.stat().st_size for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file()) for p in entries}
+    left: list[Path] = []
+    while True:
+        with tarfile.open(out / name, "w:gz") as tar:
+            for p in entries:
+                if p not in left:
+                    tar.add(p, arcname=p.name)
+        if (out / name).stat().st_size <= limit or len(left) == len(entries):
+            break
+        left.append(max((p for p in entries if p not in left), key=sizes.__getitem__))
+    for p in entries:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    return [p.name for p in left]
