@@ -334,16 +334,10 @@ def test_rank_and_select_matches_reference(lens, g, rule, chunk, k, sink, recent
     assert torch.equal(fused.rank_and_select(sw, seq, combine=rule, workspace=fw, **sel).cpu(), got.cpu())
 
 
-@pytest.mark.parametrize("chunk", [16, 64, None])
-def test_rank_and_select_breaks_ties_by_page_index(chunk):
-    """Hand-made scores with many exact ties (and statistics of one score program): the fused
-    kernel picks exactly what the reference selection picks from the same ranking (16 pages per
-    program: 13 chunks of 16 winners, the merge on registers; 64: 4 chunks; None: one program)."""
-    from kvlocks.selection import fused
-
-    gen = torch.Generator().manual_seed(11)
-    bsz, hkv, g, pages, k = 2, 3, 4, 200, 10
-    seq = torch.tensor([pages * S, 150 * S + 7], dtype=torch.int32)
+def _tied_scores(bsz, hkv, g, pages, seed):
+    """A score workspace holding hand-made per-head scores with many exact ties, and their
+    statistics as one score program would leave them."""
+    gen = torch.Generator().manual_seed(seed)
     sw = score_tri.score_workspace(bsz, hkv, g, pages, "cpu", pages_per_program=pages)
     scores = (torch.rand(bsz, hkv, g, pages, generator=gen) * 3).floor() - 40.0  # three levels per head
     sw.scores.copy_(scores)
@@ -352,12 +346,53 @@ def test_rank_and_select_breaks_ties_by_page_index(chunk):
     sw.stats.zero_()
     sw.stats[:, 0, 0, :g] = m.reshape(bsz * hkv, g)
     sw.stats[:, 0, 1, :g] = torch.exp2(s2 - m[..., None]).sum(-1).reshape(bsz * hkv, g)
-    sw = dataclasses.replace(sw, **{f: getattr(sw, f).to(DEV) for f in ("scores", "stats", "lse", "ranking")})
+    return dataclasses.replace(sw, **{f: getattr(sw, f).to(DEV) for f in ("scores", "stats", "lse", "ranking")})
+
+
+@pytest.mark.parametrize("chunk", [16, 64, None])
+def test_rank_and_select_breaks_ties_by_page_index(chunk):
+    """Hand-made scores with many exact ties (and statistics of one score program): the fused
+    kernel picks exactly what the reference selection picks from the same ranking (16 pages per
+    program: 13 chunks of 16 winners, the merge on registers; 64: 4 chunks; None: one program)."""
+    from kvlocks.selection import fused
+
+    bsz, hkv, g, pages, k = 2, 3, 4, 200, 10
+    seq = torch.tensor([pages * S, 150 * S + 7], dtype=torch.int32)
+    sw = _tied_scores(bsz, hkv, g, pages, seed=11)
     fw = fused.fused_workspace(bsz, hkv, pages, k, DEV, chunk=chunk)
     got = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=fw)
     exp = paged_select(sw.ranking, seq.to(DEV), page_size=S, k=k, backend="torch")
     assert torch.equal(got.cpu(), exp.cpu())
     assert len(torch.unique(sw.ranking[0, 0])) <= 81  # ties are real: at most 3^4 distinct rankings
+
+
+def test_short_rows_get_their_own_launch_and_the_same_pages():
+    """``short_pages``: rows of at most 2,048 full pages are selected by a launch of 512 pages a
+    program, longer rows by the plan's launch of 2,048; the pages equal one launch's and the
+    reference selection's, for rows on both sides of the split, at it, and rows that fit the budget."""
+    from kvlocks.selection import fused
+
+    bsz, hkv, g, pages, k = 6, 1, 2, 6000, 40
+    seq = torch.tensor([2048 * S, 2048 * S + S - 1, 2049 * S, 5000 * S + 3, 7 * S, 0], dtype=torch.int32)
+    sw = _tied_scores(bsz, hkv, g, pages, seed=5)
+    one = fused.fused_workspace(bsz, hkv, pages, k, DEV)
+    split = fused.fused_workspace(bsz, hkv, pages, k, DEV, short_pages=2048)
+    assert (one.chunk, one.short) == (2048, None)
+    assert (split.chunk, split.short.chunk, split.short.n_chunks, split.short.out is split.out) == (2048, 512, 4, True)
+    ref = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=one).clone()
+    ranking = sw.ranking.clone()
+    sw.ranking.fill_(float("nan"))
+    got = fused.rank_and_select(sw, seq.to(DEV), page_size=S, k=k, workspace=split)
+    assert torch.equal(got.cpu(), ref.cpu())
+    assert torch.equal(got.cpu(), paged_select(ranking, seq.to(DEV), page_size=S, k=k, backend="torch").cpu())
+    for b, n in enumerate(seq.tolist()):  # each row's ranking written once, by its launch
+        assert torch.equal(sw.ranking[b, :, : n // S].cpu(), ranking[b, :, : n // S].cpu())
+    assert int(split.done.abs().sum()) == int(split.short.done.abs().sum()) == 0
+    # no second launch where it would not differ, or for a plan no wider than the short rows
+    assert fused.fused_workspace(bsz, hkv, 3000, k, DEV, short_pages=2048).short is None  # 512 a program in both
+    assert fused.fused_workspace(bsz, hkv, pages, k, DEV, short_pages=pages).short is None
+    with pytest.raises(ValueError, match="short_pages=-1: must be >= 0"):
+        fused.fused_workspace(bsz, hkv, pages, k, DEV, short_pages=-1)
 
 
 def test_rank_and_select_rejects_bad_arguments():

@@ -146,6 +146,25 @@ def test_triton_backend_selects_the_torch_backend_pages(mode):
     assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_short_row_launch_selects_the_same_pages(mode):
+    """``KernelOptions.short_row_pages``: rows of at most 8 full pages selected by a launch of their
+    own (16 pages a program, the plan's is 32) pick the torch backend's pages, in every mode."""
+    from kvlocks.config import KernelOptions
+
+    cfg = LocksConfig(budget=64, **MODES[mode])
+    q, k, v, table, seq = paged([300, 100, 150], 2, 4, 64, seed=4)
+    store = store_of(k, table, seq, cfg)
+    ref = plan_for("torch", cfg, q, k, table)
+    tri = plan_for("triton", cfg, q, k, table, options=KernelOptions(short_row_pages=8))
+    ws = tri.rerank_ws if cfg.rerank else tri.select_ws
+    assert (ws.chunk, ws.short.chunk, ws.short_pages) == (32, 16, 8)
+    out_r, _ = ref.run(q, k, v, store, table, seq)
+    out_t, _ = tri.run(q, k, v, store, table, seq)
+    assert torch.equal(tri.pages.cpu(), ref.pages.cpu())
+    assert torch.allclose(out_t, out_r, atol=1e-4)
+
+
 def _hf_layer(method, cfg, backend, *, b=2, hkv=2, g=2, n=300, d=64, seed=0, kernel_options=None):
     """A one-layer LocksCache holding ``n`` random tokens, and a decode query ``[B, Hq, 1, D]``."""
     from transformers import LlamaConfig

@@ -33,7 +33,7 @@ MERGE_ARGS = {"seqlen_ptr": "*i32", "ss_ptr": "*i32", "ckey_ptr": "*i32", "cidx_
 FUSED_ARGS = {"scores_ptr": "*fp32", "stats_ptr": "*fp32", "n_sc": "i32", "seqlen_ptr": "*i32", "ss_ptr": "*i32",
               "ranking_ptr": "*fp32", "lse_ptr": "*fp32", "ckey_ptr": "*i32", "cidx_ptr": "*i32",
               "ccnt_ptr": "*i32", "done_ptr": "*i32", "out_ptr": "*i32", "Hkv": "i32", "G": "i32",
-              "max_pages": "i32", "n_chunks": "i32"}
+              "max_pages": "i32", "n_chunks": "i32", "lo_pages": "i32", "hi_pages": "i32"}
 
 
 ATTN_ARGS = {"q_ptr": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "k_ptr": "*bf16", "v_ptr": "*bf16",

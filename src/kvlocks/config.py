@@ -281,6 +281,9 @@ class KernelOptions(ConfigIO):
         one of ``"cuda"``, ``"packed"``, ``"mma"`` (ValueError where it cannot run)
     build_solver : the summary build's eigensolver, ``"auto"`` (``"onesided"`` with Triton >= 3.9,
         ``"lean"`` before), ``"lean"`` or ``"onesided"``; both give the reference's summaries
+    short_row_pages : rows of at most this many full pages get a fused-selection launch of their own,
+        sized for rows that long (:func:`kvlocks.selection.fused.fused_workspace`), in plans wider
+        than that; 0 (the default): one launch for every row. Same pages either way
     """
 
     pdl: bool = field(default_factory=_pdl_default)
@@ -288,6 +291,7 @@ class KernelOptions(ConfigIO):
     dense_launches: tuple[DenseLaunch, ...] = DENSE_LAUNCHES
     score_kernel: str = "auto"
     build_solver: str = "auto"
+    short_row_pages: int = 0
 
     def __post_init__(self) -> None:
         if self.pdl not in (True, False):
@@ -305,6 +309,7 @@ class KernelOptions(ConfigIO):
             raise ValueError(f"KernelOptions.score_kernel={self.score_kernel!r}: allowed {SCORE_KERNELS}")
         if self.build_solver not in BUILD_SOLVERS:
             raise ValueError(f"KernelOptions.build_solver={self.build_solver!r}: allowed {BUILD_SOLVERS}")
+        check_int("KernelOptions", "short_row_pages", self.short_row_pages, 0, 1 << 24)
 
 
 def default_kernel_options() -> KernelOptions:

@@ -306,7 +306,8 @@ class DecodePlan:
                 self.score_ws = centroid_workspace(batch, num_kv_heads, group, max_pages, device)
             else:
                 self.score_ws = score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim)
-            self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device)
+            short = self.options.short_row_pages
+            self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device, short_pages=short)
             self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
                                                  launch=self.options.dense_launches[0],
                                                  dense_pages=num_pages(dense_tokens, config.page_size))
@@ -315,7 +316,8 @@ class DecodePlan:
 
                 self.k_cand = min(max_pages, config.rerank_candidates(max_pages) + config.sink_pages
                                   + config.recent_pages)
-                self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device)
+                self.rerank_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k_cand, device,
+                                                 short_pages=short)
                 self.exact_ws = rerank_workspace(batch, num_kv_heads, group, self.k_cand, self.k, device)
 
     def run(self, queries, k_cache, v_cache, summaries, block_table, seq_lens, out=None, *, summary_table=None,

@@ -25,6 +25,8 @@ the heads are summed in a different order). Static grid, no host synchronisation
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -87,7 +89,8 @@ def _rank_chunk(sc_ptr, offs, pmask, lse2, G, max_pages, CH: tl.constexpr, GP: t
 
 @triton.jit
 def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking_ptr, lse_ptr, ckey_ptr, cidx_ptr,
-                        ccnt_ptr, done_ptr, out_ptr, Hkv, G, max_pages, n_chunks, S: tl.constexpr, K: tl.constexpr,
+                        ccnt_ptr, done_ptr, out_ptr, Hkv, G, max_pages, n_chunks, lo_pages, hi_pages,
+                        S: tl.constexpr, K: tl.constexpr,
                         SINK: tl.constexpr, RECENT: tl.constexpr, CH: tl.constexpr, M: tl.constexpr,
                         GP: tl.constexpr, RULE: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
                         KP: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
@@ -99,35 +102,36 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
     row = tl.program_id(1)
     b = row // Hkv
     n = tl.load(seqlen_ptr + b)
-    ss = 0
-    if HAS_SS:
-        ss = tl.load(ss_ptr + b)
-    total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
-    pc = n // S
-    slot = (row * n_chunks + c).to(tl.int64)
-    if (c == 0) | (c * CH < pc):
-        lse2 = row_lse2(stats_ptr, row, n_sc, GP, BLOCK_K)
-        if c == 0:
-            g = tl.arange(0, GP)
-            tl.store(lse_ptr + row * G + g, lse2 * _LN2, mask=g < G)
-        offs = c * CH + tl.arange(0, CH)
-        rank = _rank_chunk(scores_ptr + row.to(tl.int64) * G * max_pages, offs, offs < pc, lse2, G, max_pages, CH,
-                           GP, RULE, GU)
-        tl.store(ranking_ptr + row.to(tl.int64) * max_pages + offs, rank, mask=offs < pc)
-        forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
-        limit = tl.where(total > K, pc, 0)  # candidates: full pages, and only if not all pages fit
-        valid = (offs < limit) & ~forced
-        need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
-        chunk_winners(_orderkey(tl.where(valid, rank, 0.0)), valid, offs, need, slot, ckey_ptr, cidx_ptr, ccnt_ptr,
-                      M)
-    else:  # a chunk past the row's full pages (a plan sized for longer rows): no winners, no passes
-        tl.store(ccnt_ptr + slot, 0)
-    tl.debug_barrier()  # every thread's winners are written before the ticket is taken
-    ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if ticket == n_chunks - 1:  # the last program of the row to arrive merges it
-        tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
-        merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK, RECENT, M, TILE, KP,
-                  SP, RP, CP, REGS)
+    if (n // S > lo_pages) & (n // S <= hi_pages):  # this launch's rows (fused_workspace's short launch)
+        ss = 0
+        if HAS_SS:
+            ss = tl.load(ss_ptr + b)
+        total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
+        pc = n // S
+        slot = (row * n_chunks + c).to(tl.int64)
+        if (c == 0) | (c * CH < pc):
+            lse2 = row_lse2(stats_ptr, row, n_sc, GP, BLOCK_K)
+            if c == 0:
+                g = tl.arange(0, GP)
+                tl.store(lse_ptr + row * G + g, lse2 * _LN2, mask=g < G)
+            offs = c * CH + tl.arange(0, CH)
+            rank = _rank_chunk(scores_ptr + row.to(tl.int64) * G * max_pages, offs, offs < pc, lse2, G, max_pages,
+                               CH, GP, RULE, GU)
+            tl.store(ranking_ptr + row.to(tl.int64) * max_pages + offs, rank, mask=offs < pc)
+            forced = ((offs >= s_lo) & (offs < s_hi)) | (offs >= r_lo)
+            limit = tl.where(total > K, pc, 0)  # candidates: full pages, and only if not all pages fit
+            valid = (offs < limit) & ~forced
+            need = tl.minimum(K - f, tl.sum(valid.to(tl.int32), axis=0))
+            chunk_winners(_orderkey(tl.where(valid, rank, 0.0)), valid, offs, need, slot, ckey_ptr, cidx_ptr,
+                          ccnt_ptr, M)
+        else:  # a chunk past the row's full pages (a plan sized for longer rows): no winners, no passes
+            tl.store(ccnt_ptr + slot, 0)
+        tl.debug_barrier()  # every thread's winners are written before the ticket is taken
+        ticket = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_chunks - 1:  # the last program of the row to arrive merges it
+            tl.atomic_xchg(done_ptr + row, 0, sem="relaxed", scope="gpu")
+            merge_row(row, n, ss, ckey_ptr, cidx_ptr, ccnt_ptr, out_ptr, n_chunks, S, K, SINK, RECENT, M, TILE,
+                      KP, SP, RP, CP, REGS)
 
 
 LARGE_K = 512  # from this many pages to choose, rows of >= 2 * LARGE_K_CHUNK pages use LARGE_K_CHUNK
@@ -159,10 +163,24 @@ def default_fused_chunk(max_pages: int, k: int = 0) -> int:
 
 
 def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device,
-                    chunk: int | None = None) -> SelectWorkspace:
-    """Buffers for :func:`rank_and_select` (a :func:`select_workspace` with the fused chunk size)."""
-    return select_workspace(batch, num_kv_heads, max_pages, k, device,
-                            chunk=default_fused_chunk(max_pages, k) if chunk is None else chunk)
+                    chunk: int | None = None, short_pages: int = 0) -> SelectWorkspace:
+    """Buffers for :func:`rank_and_select` (a :func:`select_workspace` with the fused chunk size).
+
+    ``short_pages`` > 0: rows of at most that many full pages get a launch of their own, sized as a
+    plan for rows that long would be (:func:`default_fused_chunk` of ``short_pages``), and the
+    launch sized by ``max_pages`` takes the longer rows. A plan as wide as a long-context engine's
+    block table otherwise gives a short row one program of 2,048 or 4,096 pages where a narrow plan
+    spreads it over several (docs/results/2026-12-07-h200-plan-width-probe/). Only where the two
+    launches would differ (``short_pages < max_pages`` and a smaller chunk for the short rows)."""
+    ws = select_workspace(batch, num_kv_heads, max_pages, k, device,
+                          chunk=default_fused_chunk(max_pages, k) if chunk is None else chunk)
+    if short_pages < 0:
+        raise ValueError(f"short_pages={short_pages}: must be >= 0 (0: one launch for every row)")
+    if 0 < short_pages < max_pages and default_fused_chunk(short_pages, k) < ws.chunk:
+        short = select_workspace(batch, num_kv_heads, short_pages, k, device,
+                                 chunk=default_fused_chunk(short_pages, k))
+        ws = dataclasses.replace(ws, short=dataclasses.replace(short, out=ws.out), short_pages=short_pages)
+    return ws
 
 
 def rank_and_select(score_ws: ScoreWorkspace, seq_lens: torch.Tensor, *, page_size: int, k: int,
@@ -196,12 +214,15 @@ def rank_and_select(score_ws: ScoreWorkspace, seq_lens: torch.Tensor, *, page_si
         raise ValueError(f"workspace is for output {tuple(ws.out.shape)}, not {(bsz, hkv, k)}")
     ss = sink_start if sink_start is not None else seq_lens
     pdl = pdl_enabled(scores.device, (options or default_kernel_options()).pdl)
-    _rank_select_kernel[(ws.n_chunks, bsz * hkv)](
-        scores, score_ws.stats, score_ws.n_chunks, seq_lens, ss, score_ws.ranking, score_ws.lse,
-        ws.keys, ws.idx, ws.count, ws.done, ws.out, hkv, g, max_pages, ws.n_chunks,
-        S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=ws.chunk, GP=score_ws.stats.shape[-1],
-        RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None, GU=g,
-        **merge_meta(ws, k, sink_pages, recent_pages), num_warps=default_warps(ws.chunk, ws.n_chunks), PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}),
-    )
+    every = 2**31 - 1
+    launches = ((ws.short, -1, ws.short_pages), (ws, ws.short_pages, every)) if ws.short else ((ws, -1, every),)
+    for w, lo, hi in launches:  # each launch selects the rows with lo < full pages <= hi
+        _rank_select_kernel[(w.n_chunks, bsz * hkv)](
+            scores, score_ws.stats, score_ws.n_chunks, seq_lens, ss, score_ws.ranking, score_ws.lse,
+            w.keys, w.idx, w.count, w.done, ws.out, hkv, g, max_pages, w.n_chunks, lo, hi,
+            S=page_size, K=k, SINK=sink_pages, RECENT=recent_pages, CH=w.chunk, GP=score_ws.stats.shape[-1],
+            RULE=RULES[combine], BLOCK_K=stats_block(score_ws), HAS_SS=sink_start is not None, GU=g,
+            **merge_meta(w, k, sink_pages, recent_pages), num_warps=default_warps(w.chunk, w.n_chunks), PDL=pdl,
+            **({"launch_pdl": True} if pdl else {}),
+        )
     return ws.out

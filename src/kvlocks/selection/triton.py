@@ -183,6 +183,9 @@ class SelectWorkspace:
     keys, idx : int32 ``[B * Hkv, n_chunks, m]`` (uint32 order keys stored bitcast, page ids);
     count : int32 ``[B * Hkv, n_chunks]``; done : int32 ``[B * Hkv]`` per-row arrival counters of the
     fused kernel (zero between launches); out : int32 ``[B, Hkv, k]``
+    short, short_pages : the fused selection's second launch for rows of at most ``short_pages`` full
+    pages (its own chunk size and buffers, the same ``out``), or None: one launch for every row
+    (:func:`kvlocks.selection.fused.fused_workspace`)
     """
 
     chunk: int
@@ -193,6 +196,8 @@ class SelectWorkspace:
     count: torch.Tensor
     done: torch.Tensor
     out: torch.Tensor
+    short: SelectWorkspace | None = None
+    short_pages: int = 0
 
 
 def select_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, device,
