@@ -204,7 +204,7 @@ def references(args, plan, out: Path, locks_json: str) -> dict:
         llm.update({"dtype": "bfloat16", "block_size": 16, "gpu_memory_utilization": args.share})
     spec = {"llm": llm, "prompts": [r["prompt"] for r in main], "max_tokens": main[0]["max_tokens"],
             "locks": locks_json, "batches": [[i] for i in range(len(main))], "model": model_path(args),
-            "logprobs": 2}  # engine_gpu.py records them; engine_run.py (the CPU runner) does not
+            "logprobs": 2}  # top 2 a position: both runners record them
     (out / "alone.spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_USE_FLASHINFER_SAMPLER": "0", **({} if args.cpu else {"VLLM_BATCH_INVARIANT": "1"})}
