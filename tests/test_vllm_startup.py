@@ -45,6 +45,22 @@ def test_config_round_trip_with_and_without_strict():
     assert "dense_below" not in settings.to_text(CFG, settings.PluginSettings())
 
 
+def test_enable_passes_kernel_options_to_the_engine_processes(monkeypatch):
+    """``enable(kernels=...)`` writes them into ``$KVLOCKS_VLLM_CONFIG``, which the engine's processes
+    read back (the plans' KernelOptions); a wrong type is refused."""
+    from kvlocks.config import KernelOptions
+    from kvlocks.integrations.vllm import enable, plugin
+
+    monkeypatch.delenv(settings.ENV_VAR, raising=False)
+    monkeypatch.setattr(plugin, "register", lambda: None)
+    enable(CFG, dense_below=0, kernels=KernelOptions(short_row_pages=5120, pdl=False))
+    config, plug = settings.current()
+    assert config == CFG and plug.dense_below == 0
+    assert plug.kernels == KernelOptions(short_row_pages=5120, pdl=False)
+    with pytest.raises(ValueError, match='"kernels"=.*allowed an object of KernelOptions fields'):
+        enable(CFG, kernels="short")
+
+
 def test_dense_below_resolves_by_platform_and_head_shape():
     """An integer is kept on both platforms; "auto" is 0 on CPU and, on CUDA, the crossover of the
     head shape's K/V width: 2 x 128 (GLM-4-9B) 12K tokens, 4 x 128 and 8 x 128 (Llama-3.1-8B) 10K."""

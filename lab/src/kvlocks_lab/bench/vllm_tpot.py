@@ -5,8 +5,9 @@ Models are random-weight (``load_format="dummy"``) from the config files in ``co
 (Llama-3.1-8B, GLM-4-9B-Chat-1M by default; the hybrid shapes Gemma-3-12B and gpt-oss-20b with
 ``--models``, their prefixes by prefill; no weights or tokenizer needed: prompts are token ids,
 ``skip_tokenizer_init``). Each (model, backend) runs in its own engine process, its
-``max_model_len`` set by the longest context and its batch limit by the largest batch (as a server
-is configured once for all requests; the LOCKS plans' grids are sized by ``max_model_len``); for
+``max_model_len`` set by the longest context (or ``--max-model-len``) and its batch limit by the
+largest batch (as a server is configured once for all requests; the LOCKS plans' grids are sized by
+``max_model_len``); ``--kernels`` sets the LOCKS engines' ``KernelOptions``; for
 every context, shortest first, and every batch size:
 
 1. TTFT: ``batch`` fresh random prompts of ``context`` tokens, one output token each (prefill from
@@ -32,7 +33,7 @@ Usage (on the GPU machine, vLLM staged)::
 
     python -m kvlocks_lab.bench.vllm_tpot --out DIR [--models llama3.1-8b glm4-9b-1m]
         [--contexts 32768 131072 262144:1 max] [--batches 1 4] [--new-tokens 64] [--budget 2048]
-        [--prefix {prefill,connector}]
+        [--prefix {prefill,connector}] [--max-model-len N] [--kernels JSON]
     # decode at 512K and 1M tokens of GLM-4-9B-1M without a prefill (1M needs an H200's KV pool):
     python -m kvlocks_lab.bench.vllm_tpot --out DIR --models glm4-9b-1m --contexts 524288:1 1048576:1 \
         --prefix connector
@@ -125,9 +126,12 @@ def _worker(spec: dict) -> list[dict]:
         from kvlocks.config import LocksConfig
         from kvlocks.integrations.vllm import enable
 
-        enable(LocksConfig(budget=spec["budget"]), dense_below=DENSE_BELOW[spec["backend"]])
+        from kvlocks.config import KernelOptions
+
+        kernels = KernelOptions.from_json(json.dumps(spec["kernels"])) if spec.get("kernels") else None
+        enable(LocksConfig(budget=spec["budget"]), dense_below=DENSE_BELOW[spec["backend"]], kernels=kernels)
     cells, new = spec["cells"], spec["new_tokens"]  # [[context, [batch, ...]], ...]
-    max_len = max(c for c, _ in cells) + new + 16
+    max_len = max(max(c for c, _ in cells) + new + 16, spec.get("max_model_len") or 0)
     batches_all = sorted({b for _, bs in cells for b in bs})
     prefix = spec.get("prefix", "prefill")
     extra = {}
@@ -166,7 +170,7 @@ def _worker(spec: dict) -> list[dict]:
             ttfts = [o.metrics.first_token_latency for o in first if o.metrics]
             rows.append({"model": spec["model"], "backend": spec["backend"], "context": ctx, "batch": b,
                          "new_tokens": new, "budget": spec["budget"] if spec["backend"] in DENSE_BELOW else None,
-                         "dense_below": DENSE_BELOW.get(spec["backend"]),
+                         "dense_below": DENSE_BELOW.get(spec["backend"]), "kernels": spec.get("kernels"),
                          "max_model_len": max_len, "tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else None,
                          "tpot_ms_per_request": [1e3 * t for t in tpots],
                          "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall,
@@ -273,10 +277,22 @@ def main(argv=None) -> int:
                          "for the first context-1 tokens (kvlocks_lab.bench.random_prefix), only the last is computed")
     ap.add_argument("--prefix-seed", type=int, default=0, help="seed of the connector's random K/V")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per engine process (all of one model's contexts)")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engines' max_model_len, at least the longest context's (which is the default): the "
+                         "LOCKS plans are as wide as its block table, e.g. 32K requests in a 1M engine")
+    ap.add_argument("--kernels", type=json.loads, default=None,
+                    help='KernelOptions fields for the LOCKS engines\' plans as JSON, e.g. \'{"short_row_pages": 5120}\'')
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after each cell's TPOT, GPU time per kernel class of one decode step, from this many "
                          "steps under torch.profiler (0: no profile)")
     args = engine_process.parse_args(ap, argv, _worker)
+    if args.kernels is not None:
+        from kvlocks.config import KernelOptions
+
+        try:
+            KernelOptions.from_json(json.dumps(args.kernels))
+        except (TypeError, ValueError) as exc:
+            ap.error(f"--kernels: {exc}")
     if args.new_tokens < 2 or any(b < 1 for b in args.batches):
         ap.error("--new-tokens must be >= 2 and every batch >= 1")
     for c in args.contexts:
@@ -312,7 +328,8 @@ def main(argv=None) -> int:
             spec = {"model": model, "model_dir": str(CONFIGS / model), "backend": backend,
                     "cells": [[ctx, sorted(b)] for ctx, b in sorted(cells.items())], "new_tokens": args.new_tokens,
                     "budget": args.budget, "vocab": cfg["vocab_size"], "profile_steps": args.profile_steps,
-                    "prefix": args.prefix, "prefix_seed": args.prefix_seed}
+                    "prefix": args.prefix, "prefix_seed": args.prefix_seed, "max_model_len": args.max_model_len,
+                    "kernels": args.kernels if backend in DENSE_BELOW else None}
             got = engine_process.run_rows("kvlocks_lab.bench.vllm_tpot", spec, args.out, args.timeout,
                                           {k: spec[k] for k in ("model", "backend", "cells", "prefix")})
             rows += got

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from kvlocks.config import LocksConfig
+from kvlocks.config import KernelOptions, LocksConfig
 from kvlocks.integrations.vllm import settings as _settings
 from kvlocks.integrations.vllm.settings import ENV_VAR, PluginSettings
 
@@ -67,11 +67,14 @@ def register() -> None:
              current_settings(), config.selection(), why)
 
 
-def enable(config: LocksConfig, *, strict: bool = False, dense_below: int | str = "auto") -> None:
+def enable(config: LocksConfig, *, strict: bool = False, dense_below: int | str = "auto",
+           kernels: KernelOptions | None = None) -> None:
     """Configure LOCKS for vLLM engines started later from this process, and register it here.
     ``strict``: any layer that cannot run LOCKS is an error at engine start; ``dense_below``: decode
-    steps whose rows hold at most this many tokens together attend densely (:mod:`.settings`)."""
+    steps whose rows hold at most this many tokens together attend densely; ``kernels``: how the
+    CUDA backend's plans launch their kernels (None: the defaults) (:mod:`.settings`)."""
     if not isinstance(config, LocksConfig):
         raise TypeError(f"enable() takes a LocksConfig, got {type(config).__name__}")
-    os.environ[ENV_VAR] = _settings.to_text(config, PluginSettings(strict=strict, dense_below=dense_below))
+    settings = PluginSettings(strict=strict, dense_below=dense_below, kernels=kernels)
+    os.environ[ENV_VAR] = _settings.to_text(config, settings)
     register()
