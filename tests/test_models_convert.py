@@ -4,6 +4,7 @@ and vLLM engines do): each waits for the one conversion and reads a complete dir
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -123,7 +124,7 @@ def test_load_refuses_a_converted_directory_whose_tokenizer_differs(monkeypatch)
         load("smollm2-135m")
 
 
-def test_converted_directories_name_their_model_class(tmp_path, monkeypatch):
+def test_converted_directories_name_their_model_class(tmp_path, monkeypatch, caplog):
     """vLLM picks the model class from ``architectures``; without it a ``gemma3_text`` directory is
     served as an embedding model. A fresh conversion writes it; an older one gains it on first use."""
     from kvlocks.models import BUNDLED, resolve
@@ -139,3 +140,11 @@ def test_converted_directories_name_their_model_class(tmp_path, monkeypatch):
     config = json.loads((old / "config.json").read_text())
     assert config == {"model_type": "gemma3_text", "hidden_size": 640, "architectures": ["Gemma3ForCausalLM"]}
     assert {info["architecture"] for info in BUNDLED.values()} == {"LlamaForCausalLM", "Gemma3ForCausalLM"}
+    # a read-only directory keeps loading (a warning says what is missing)
+    (old / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    monkeypatch.setattr(Path, "replace", lambda self, target: (_ for _ in ()).throw(PermissionError("read-only")))
+    with caplog.at_level("WARNING", logger="kvlocks.models.bundled"):
+        assert converted_dir("gemma3-270m") == old
+    assert "architectures" not in json.loads((old / "config.json").read_text())
+    assert "could not add" in caplog.text and "Gemma3ForCausalLM" in caplog.text
+    assert sorted(p.name for p in old.iterdir()) == sorted([_MARKER, "config.json"])  # no temporary file left

@@ -146,8 +146,14 @@ def _name_architecture(name: str, out: Path) -> None:
         return
     config["architectures"] = [BUNDLED[name]["architecture"]]
     tmp = path.with_name(f"config.json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: transformers reads it as before; vLLM needs the class named
+        tmp.unlink(missing_ok=True)
+        log.warning("kvlocks: could not add \"architectures\": [%r] to %s (%s); vLLM may not load it as a "
+                    "text generator until it is there (convert again: delete %s)", BUNDLED[name]["architecture"],
+                    path, exc, out)
 
 
 def _source(name: str, out: Path) -> tuple[Path, bool]:
