@@ -102,12 +102,12 @@ def _rank_select_kernel(scores_ptr, stats_ptr, n_sc, seqlen_ptr, ss_ptr, ranking
     row = tl.program_id(1)
     b = row // Hkv
     n = tl.load(seqlen_ptr + b)
-    if (n // S > lo_pages) & (n // S <= hi_pages):  # this launch's rows (fused_workspace's short launch)
+    pc = n // S
+    if (pc > lo_pages) & (pc <= hi_pages):  # this launch's rows (fused_workspace's short launch)
         ss = 0
         if HAS_SS:
             ss = tl.load(ss_ptr + b)
         total, s_lo, s_hi, r_lo, f = _forced(n, ss, S, SINK, RECENT)
-        pc = n // S
         slot = (row * n_chunks + c).to(tl.int64)
         if (c == 0) | (c * CH < pc):
             lse2 = row_lse2(stats_ptr, row, n_sc, GP, BLOCK_K)
@@ -172,10 +172,10 @@ def fused_workspace(batch: int, num_kv_heads: int, max_pages: int, k: int, devic
     block table otherwise gives a short row one program of 2,048 or 4,096 pages where a narrow plan
     spreads it over several (docs/results/2026-12-07-h200-plan-width-probe/). Only where the two
     launches would differ (``short_pages < max_pages`` and a smaller chunk for the short rows)."""
-    ws = select_workspace(batch, num_kv_heads, max_pages, k, device,
-                          chunk=default_fused_chunk(max_pages, k) if chunk is None else chunk)
     if short_pages < 0:
         raise ValueError(f"short_pages={short_pages}: must be >= 0 (0: one launch for every row)")
+    ws = select_workspace(batch, num_kv_heads, max_pages, k, device,
+                          chunk=default_fused_chunk(max_pages, k) if chunk is None else chunk)
     if 0 < short_pages < max_pages and default_fused_chunk(short_pages, k) < ws.chunk:
         short = select_workspace(batch, num_kv_heads, short_pages, k, device,
                                  chunk=default_fused_chunk(short_pages, k))
