@@ -1,5 +1,5 @@
 """vLLM picks a checkpoint's model class from its ``config.json``: a ``gemma3_text`` directory without
-``architectures`` (what the bundled Gemma 3's conversion once wrote) loads as an embedding model, so
+``architectures`` loads as an embedding model, so
 every generate call fails. The conversion names the class, and older conversions gain it
 (:func:`kvlocks.models.bundled._name_architecture`); this checks both against vLLM's own resolution."""
 
