@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from kvlocks_lab.bench.serve_load import _add_logprobs, compare_tokens, pack_outputs, preempted_requests
+from kvlocks_lab.bench.serve_load import _add_logprobs, compare_tokens, pack_outputs, preempted_requests, process_tree
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "serve_load.py"
 
@@ -145,3 +149,25 @@ def test_the_result_folder_packs_into_one_archive(tmp_path):
     assert pack_outputs(tmp_path, {"serve_load.json"}, "files.tgz", limit=100_000) == ["big"]
     with tarfile.open(tmp_path / "files.tgz") as tar:
         assert tar.getnames() == ["small.txt"]
+
+
+def test_the_process_tree_holds_children_and_grandchildren_only(tmp_path):
+    ready = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']);"
+            f"open({str(ready)!r}, 'w').write(str(p.pid)); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for _ in range(200):
+            if ready.exists() and ready.read_text():
+                break
+            time.sleep(0.05)
+        grandchild = int(ready.read_text())
+        tree = process_tree(child.pid)
+        assert {child.pid, grandchild} <= tree
+        assert other.pid not in tree and os.getpid() not in tree
+    finally:
+        for p in (child, other):
+            p.kill()
+            p.wait()
+        os.kill(grandchild, 9)

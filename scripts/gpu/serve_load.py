@@ -149,11 +149,11 @@ def serve(args, plan, files, out: Path, served_json: str, res: dict) -> None:
         cmd += ["--kv-transfer-config", json.dumps(kv),
                 "--middleware", "kvlocks.integrations.vllm.connector.http.check_compacted_requests"]
     log_path = out / "serve.log"
-    sampler = MemorySampler()
-    sampler.start()
     res["command"] = cmd
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        sampler = MemorySampler(root=proc.pid)
+        sampler.start()
         base = f"http://127.0.0.1:{port}/v1"
         try:
             t0 = time.time()
@@ -172,7 +172,10 @@ def serve(args, plan, files, out: Path, served_json: str, res: dict) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
             sampler.stop.set()
-    res["peak_gpu_memory_mib"], res["gpu_total_mib"] = sampler.peak, sampler.total
+    # the server's processes where the driver names them (another job may share the device), else the device's
+    res["peak_gpu_memory_mib"] = sampler.peak_tree if sampler.peak_tree is not None else sampler.peak
+    res["peak_gpu_memory_of"] = "server processes" if sampler.peak_tree is not None else "device"
+    res["device_peak_mib"], res["gpu_total_mib"] = sampler.peak, sampler.total
     res["preempted"] = preempted_requests(record, [r["id"] for r in plan] + ["final"], res.get("preemptions"))
 
 
@@ -313,7 +316,8 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
         "hostile": hostile, "hostile_violations": sum(not h["ok"] for h in hostile),
         "preemptions": res.get("preemptions"), "soak": res.get("soak"), "server_alive": res.get("server_alive"),
         "final_request_correct": final_ok, "final_request": final,
-        "peak_gpu_memory_mib": res.get("peak_gpu_memory_mib"), "configured_share_mib": share,
+        "peak_gpu_memory_mib": res.get("peak_gpu_memory_mib"), "peak_gpu_memory_of": res.get("peak_gpu_memory_of"),
+        "device_peak_mib": res.get("device_peak_mib"), "configured_share_mib": share,
         "peak_within_share": (res["peak_gpu_memory_mib"] <= share)
         if share and res.get("peak_gpu_memory_mib") else None,
         "rows": [{k: v for k, v in r.items() if k not in ("tokens", "logprobs")} | {"new_tokens": len(r["tokens"])}

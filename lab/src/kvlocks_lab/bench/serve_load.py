@@ -183,23 +183,56 @@ def compare_tokens(got: list[int], want: list[int], got_top: list[dict] | None =
 
 
 class MemorySampler(threading.Thread):
-    """Peak device memory in use (MiB, ``nvidia-smi``) while it runs; None without nvidia-smi."""
+    """Peak device memory in use (MiB, ``nvidia-smi``) while it runs; None without nvidia-smi.
 
-    def __init__(self) -> None:
+    ``peak`` is the whole device's; with ``root`` (a process id) ``peak_tree`` is the most that the
+    process and its descendants held at once (``--query-compute-apps``), so another job on the same
+    device does not count; it stays None where ``nvidia-smi`` names no process of that tree (a
+    container whose process ids the driver does not see).
+    """
+
+    def __init__(self, root: int | None = None) -> None:
         super().__init__(daemon=True)
-        self.peak, self.total, self.stop = None, None, threading.Event()
+        self.root, self.stop = root, threading.Event()
+        self.peak = self.total = self.peak_tree = None
 
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"]
-                out = subprocess.run(query,
-                                     capture_output=True, text=True, timeout=10).stdout.split("\n")[0]
-                used, total = (int(x) for x in out.split(","))
+                used, total = (int(x) for x in _smi("--query-gpu=memory.used,memory.total")[0].split(","))
                 self.peak, self.total = max(self.peak or 0, used), total
+                if self.root is not None:
+                    tree = process_tree(self.root)
+                    held = [int(m) for pid, m in (row.split(",") for row in _smi("--query-compute-apps=pid,used_memory"))
+                            if int(pid) in tree]
+                    if held:
+                        self.peak_tree = max(self.peak_tree or 0, sum(held))
             except Exception:  # noqa: BLE001 - no nvidia-smi (the CPU smoke run)
                 return
             time.sleep(1.0)
+
+
+def _smi(query: str) -> list[str]:
+    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=10, check=True).stdout
+    return [line for line in out.split("\n") if line.strip()]
+
+
+def process_tree(root: int, proc: Path = Path("/proc")) -> set[int]:
+    """``root`` and every process descended from it, read from ``/proc/*/stat``."""
+    parent = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while read
+        parent[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {root}, True
+    while grew:
+        new = {pid for pid, pp in parent.items() if pp in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return tree
 
 
 def free_port() -> int:

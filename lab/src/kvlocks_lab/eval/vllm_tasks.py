@@ -12,7 +12,8 @@ model, tasks, lengths, samples and seed) once both files are concatenated. Each 
 own process; the LOCKS engines select on every decode row past the budget (``dense_below`` 0), so
 what is measured is LOCKS and not the dense crossover. ``--exact`` adds a LOCKS engine whose budget
 holds every prompt (rows attended over all their pages by kvlocks' kernels), compared token by
-token with stock (``DIR/exact.json``: the records whose greedy tokens differ and where).
+token with stock (``DIR/exact.json``: the records whose greedy tokens differ, where, and whether each is a
+flip between near-tied tokens, from the top-2 log-probabilities both engines record).
 
 The prompt differs from the Hugging Face path in one way: vLLM prefills the whole prompt (context
 and question) densely, where ``kvlocks eval`` prefills the context and decodes the question's tokens
@@ -55,17 +56,19 @@ def _worker(spec: dict) -> dict:
         from kvlocks.integrations.vllm import enable
 
         enable(LocksConfig(budget=spec["budget"]), dense_below=0)
-    kw = {"gpu_memory_utilization": 0.85} if spec["device"] == "cuda" else {"enforce_eager": True}
+    kw = {"gpu_memory_utilization": spec["gpu_memory_utilization"]} if spec["device"] == "cuda" else {"enforce_eager": True}
     t0 = time.time()
     llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
               max_num_seqs=spec["max_num_seqs"], **kw)
     init_s = time.time() - t0
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop_token_ids=spec["eos"],
-                             detokenize=False) for n in spec["max_new"]]
+                             detokenize=False, logprobs=2) for n in spec["max_new"]]
     t1 = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "init_s": init_s, "gen_s": time.time() - t1}
+    top = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []] for o in outs]
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "top": top, "init_s": init_s,
+            "gen_s": time.time() - t1}
 
 
 def run_engine(spec: dict, out: Path, name: str, timeout: int, reuse: bool = False) -> dict:
@@ -81,12 +84,24 @@ def run_engine(spec: dict, out: Path, name: str, timeout: int, reuse: bool = Fal
     return {**res, "layer_table": layers}
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (a shorter list differs at its end), else None."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def exact_report(records, res: dict, ref: dict | None, budget: int, tol: float = 0.05) -> dict:
+    """The LOCKS engine whose budget holds every prompt against stock, record by record: each
+    differing record with its first differing token and verdict (a ``tie`` flip when the two tokens
+    are each other's runner-up within ``tol`` nats, else ``wrong``;
+    :func:`kvlocks_lab.bench.serve_load.compare_tokens`)."""
+    from kvlocks_lab.bench.serve_load import compare_tokens
+
+    if ref is None:
+        return {"budget": budget, "records": len(records), "error": "no stock engine to compare with"}
+    differing = []
+    for i, rec in enumerate(records):
+        got_top, want_top = res.get("top", [None] * len(records))[i], ref.get("top", [None] * len(records))[i]
+        c = compare_tokens(res["tokens"][i], ref["tokens"][i], got_top, want_top, tol)
+        if c["verdict"] != "equal":
+            differing.append({"task": rec.task, "length": rec.length, "index": rec.index, **c})
+    return {"budget": budget, "records": len(records), "tie_tol": tol, "differing": len(differing),
+            "tie_flips": sum(d["verdict"] == "tie" for d in differing),
+            "wrong": sum(d["verdict"] == "wrong" for d in differing), "differences": differing}
 
 
 def rows_of(records, tokens: list[list[int]], method: str, budget, tok, eos: set[int], ref: list[list[int]] | None,
@@ -122,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                    help="each engine's share of the GPU's memory (lower to share the GPU with another job)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per engine process")
     ap.add_argument("--resume", action="store_true",
                     help="keep the engines that already finished in --out with the same settings (a run cut off "
@@ -140,12 +157,15 @@ def main(argv=None) -> int:
         ap.error(f"--samples {args.samples}: must be >= 1")
     if any(b < 32 for b in args.budgets):
         ap.error(f"--budgets {args.budgets}: each must be >= 32 tokens (two 16-token pages)")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        ap.error(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
     model_dir = str(resolve(args.model))
     records, eos, tok = build_records(model_dir, args.tasks, args.lengths, args.samples, args.seed)
     max_len = -(-max(len(r.context_ids) + len(r.suffix_ids) + r.max_new_tokens for r in records) // 16) * 16
     args.out.mkdir(parents=True, exist_ok=True)
     base = {"model_dir": model_dir, "device": args.device, "dtype": args.dtype, "max_model_len": max_len,
             "max_num_seqs": args.max_num_seqs, "eos": sorted(eos),
+            "gpu_memory_utilization": args.gpu_memory_utilization,
             "prompts": [list(r.context_ids) + list(r.suffix_ids) for r in records],
             "max_new": [r.max_new_tokens for r in records]}
     engines = [("vllm_full", None)] + [("vllm_locks", b) for b in args.budgets]
@@ -161,15 +181,11 @@ def main(argv=None) -> int:
         if "tokens" not in res:
             continue
         if method == "vllm_full":
-            ref = res["tokens"]
+            ref = res
         if method == "vllm_locks_exact":
-            diffs = [(i, first_difference(ref[i], t)) for i, t in enumerate(res["tokens"])] if ref else []
-            (args.out / "exact.json").write_text(json.dumps({
-                "budget": budget, "records": len(records),
-                "differing": [{"task": records[i].task, "length": records[i].length, "index": records[i].index,
-                               "first_difference": d} for i, d in diffs if d is not None]}, indent=1))
+            (args.out / "exact.json").write_text(json.dumps(exact_report(records, res, ref, budget), indent=1))
             continue
-        rows += rows_of(records, res["tokens"], method, budget, tok, eos, ref, commit)
+        rows += rows_of(records, res["tokens"], method, budget, tok, eos, ref and ref["tokens"], commit)
     with open(args.out / "rows.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
