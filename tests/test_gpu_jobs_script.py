@@ -19,9 +19,9 @@ def _jobs(tmp_path, *args, check=True):
 
 
 def test_jobs_run_detached_and_come_back_packed(tmp_path):
-    _jobs(tmp_path, "start", "ok", "bash", "-c", 'sleep 1; pwd > "$JOB/where"; echo done')
-    _jobs(tmp_path, "start", "fails", "bash", "-c", "echo broken >&2; exit 3")
-    _jobs(tmp_path, "start", "slow", "sleep", "30")
+    _jobs(tmp_path, "start", "ok", 'sleep 1; pwd > "$JOB/where"; echo done')
+    _jobs(tmp_path, "start", "fails", "echo broken >&2; exit 3")
+    _jobs(tmp_path, "start", "slow", "sleep 30")
     t0 = time.time()
     res = _jobs(tmp_path, "wait", str(tmp_path / "out"), "4")
     assert time.time() - t0 < 15  # stops at its limit while "slow" runs
@@ -47,5 +47,6 @@ def test_jobs_run_detached_and_come_back_packed(tmp_path):
 def test_bad_job_names_and_missing_arguments_are_refused(tmp_path):
     bad = _jobs(tmp_path, "start", "a/b", "true", check=False)
     assert bad.returncode == 2 and "job name 'a/b'" in bad.stderr
+    assert _jobs(tmp_path, "start", "two", "sleep", "1", check=False).returncode == 2  # one command string
     assert _jobs(tmp_path, "wait", check=False).returncode == 2
     assert _jobs(tmp_path, "frobnicate", check=False).returncode == 2

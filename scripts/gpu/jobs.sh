@@ -3,7 +3,7 @@
 # machine ends a command's other processes when the command returns), later commands wait for them,
 # and each job's folder and log come back as one archive (at most 8 files return per command).
 #
-#   bash scripts/gpu/jobs.sh start NAME COMMAND [ARGS...]   # $JOB is the job's folder, /tmp/kvlocks-jobs/NAME
+#   bash scripts/gpu/jobs.sh start NAME 'SHELL COMMAND'     # run by bash, "$JOB" in it: /tmp/kvlocks-jobs/NAME
 #   bash scripts/gpu/jobs.sh wait OUT [SECONDS]            # until every job ended, or SECONDS (default 540);
 #                                                          # then OUT/NAME.tgz for each job, and their states
 #   bash scripts/gpu/jobs.sh status                        # each job: running, or its exit status
@@ -24,18 +24,18 @@ jobs_known() { for f in "$ROOT"/*.pid; do [[ -e "$f" ]] && basename "$f" .pid; d
 
 case "${1:-}" in
 start)
-    [[ $# -ge 3 ]] || usage
-    name=$2; shift 2
+    [[ $# -eq 3 ]] || usage
+    name=$2; cmd=$3
     [[ "$name" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "jobs.sh: job name '$name': use letters, digits, _ . -" >&2; exit 2; }
     if [[ -f "$ROOT/$name.pid" && ! -f "$ROOT/$name.rc" ]]; then
         echo "jobs.sh: job '$name' is still running" >&2; exit 2
     fi
     mkdir -p "$ROOT/$name"
     rm -f "$ROOT/$name.rc"
-    JOB="$ROOT/$name" setsid nohup bash -c 'cd "$1"; shift; rc=0; "$@" || rc=$?; echo $rc > "$JOB.rc"' \
-        jobs.sh "$REPO" "$@" > "$ROOT/$name.log" 2>&1 < /dev/null &
+    JOB="$ROOT/$name" setsid nohup bash -c 'cd "$1"; rc=0; bash -c "$2" || rc=$?; echo $rc > "$JOB.rc"' \
+        jobs.sh "$REPO" "$cmd" > "$ROOT/$name.log" 2>&1 < /dev/null &
     echo $! > "$ROOT/$name.pid"
-    echo "started $name (pid $!): $*"
+    echo "started $name (pid $!): $cmd"
     ;;
 wait)
     [[ $# -ge 2 ]] || usage
