@@ -342,14 +342,17 @@ def main(argv=None) -> None:
                    "(e.g. lab/src/kvlocks_lab/bench/configs/llama3.1-8b); default: the bundled model")
     p.add_argument("--min-context", type=int, default=1000, help="the shortest main request's prompt tokens")
     p.add_argument("--tie-tol", type=float, help="a differing token is a tie flip when the two tokens' "
-                   "log-probability margin is below this (nats; default 0.05, with --cpu 1e-3)")
+                   "log-probability margin is below this (nats; default 0.25, two units in the last place of bf16 logits; "
+                   "with --cpu 1e-3)")
     args = p.parse_args(argv)
+    from kvlocks_lab.bench.serve_load import BF16_TIE_NATS
+
     if args.model_dir and not (args.model_dir / "config.json").is_file():
         p.error(f"--model-dir {args.model_dir}: no config.json there")
     if not 16 <= args.min_context < args.max_model_len:
         p.error(f"--min-context {args.min_context}: must be >= 16 and below --max-model-len {args.max_model_len}")
     if args.tie_tol is None:
-        args.tie_tol = 1e-3 if args.cpu else 0.05
+        args.tie_tol = 1e-3 if args.cpu else BF16_TIE_NATS
     args.out.mkdir(parents=True, exist_ok=True)
     from kvlocks_lab.bench.serve_load import pack_outputs, summarize
 

@@ -84,13 +84,15 @@ def run_engine(spec: dict, out: Path, name: str, timeout: int, reuse: bool = Fal
     return {**res, "layer_table": layers}
 
 
-def exact_report(records, res: dict, ref: dict | None, budget: int, tol: float = 0.05) -> dict:
+def exact_report(records, res: dict, ref: dict | None, budget: int, tol: float | None = None) -> dict:
     """The LOCKS engine whose budget holds every prompt against stock, record by record: each
     differing record with its first differing token and verdict (a ``tie`` flip when the two tokens
-    are each other's runner-up within ``tol`` nats, else ``wrong``;
+    are each other's runner-up within ``tol`` nats, default two units in the last place of bf16
+    logits, else ``wrong``;
     :func:`kvlocks_lab.bench.serve_load.compare_tokens`)."""
-    from kvlocks_lab.bench.serve_load import compare_tokens
+    from kvlocks_lab.bench.serve_load import BF16_TIE_NATS, compare_tokens
 
+    tol = BF16_TIE_NATS if tol is None else tol
     if ref is None:
         return {"budget": budget, "records": len(records), "error": "no stock engine to compare with"}
     differing = []
