@@ -22,6 +22,7 @@ def test_jobs_run_detached_and_come_back_packed(tmp_path):
     _jobs(tmp_path, "start", "ok", 'sleep 1; pwd > "$JOB/where"; echo done')
     _jobs(tmp_path, "start", "fails", "echo broken >&2; exit 3")
     _jobs(tmp_path, "start", "slow", "sleep 30")
+    _jobs(tmp_path, "start", "busy", 'for i in $(seq 1 100000); do echo $i >> "$JOB/grows"; done; sleep 30')
     t0 = time.time()
     res = _jobs(tmp_path, "wait", str(tmp_path / "out"), "4")
     assert time.time() - t0 < 15  # stops at its limit while "slow" runs
@@ -37,11 +38,13 @@ def test_jobs_run_detached_and_come_back_packed(tmp_path):
         assert "broken" in t.extractfile("fails.log").read().decode()
     with tarfile.open(tmp_path / "out" / "slow.tgz") as t:
         assert "slow.rc" not in t.getnames()
+    with tarfile.open(tmp_path / "out" / "busy.tgz") as t:  # packed while its file grew
+        assert "busy/grows" in t.getnames()
     assert "slow: running" in _jobs(tmp_path, "status").stdout
     again = _jobs(tmp_path, "start", "slow", "true", check=False)
     assert again.returncode == 2 and "still running" in again.stderr
-    pid = int((tmp_path / "jobs" / "slow.pid").read_text())
-    os.killpg(pid, 9)
+    for name in ("slow", "busy"):
+        os.killpg(int((tmp_path / "jobs" / f"{name}.pid").read_text()), 9)
 
 
 def test_bad_job_names_and_missing_arguments_are_refused(tmp_path):

@@ -52,7 +52,11 @@ wait)
         tail -n 3 "$ROOT/$name.log" || true
         files=("$name" "$name.log")
         [[ -f "$ROOT/$name.rc" ]] && files+=("$name.rc")
-        tar czf "$out/$name.tgz" -C "$ROOT" "${files[@]}"
+        rc=0
+        tar czf "$out/$name.tgz" -C "$ROOT" "${files[@]}" 2> "$out/$name.tar.err" || rc=$?
+        # tar's status 1: a running job's file changed while read; what was read is packed
+        (( rc <= 1 )) || { cat "$out/$name.tar.err" >&2; echo "jobs.sh: packing $name failed ($rc)" >&2; }
+        rm -f "$out/$name.tar.err"
     done
     ;;
 status)
