@@ -108,31 +108,79 @@ def test_served_top_logprobs_are_keyed_by_token_id():
 
 def test_differences_mark_kinds_preemption_and_the_final_request():
     m = _module()
-    plan = [{"id": "req_0", "kind": "main"}, {"id": "req_1", "kind": "main"},
-            {"id": "file_a", "kind": "file", "key": "k"}]
+    plan = [{"id": f"req_{i}", "kind": "main"} for i in range(4)] + [{"id": "file_a", "kind": "file", "key": "k"}]
     close, far = {"3": -0.50, "4": -0.51}, {"3": -0.1, "4": -4.0}
 
     def row(rid, tokens, top=None):
         return {"id": rid, "tokens": tokens, "logprobs": top, "error": None, "finish": "length", "prompt_tokens": 9}
 
     res = {"rows": [row("req_0", [1, 4], [{}, {"4": -0.5, "3": -0.52}]),
-                    row("req_1", [1, 4], [{}, {"4": -0.1, "3": -4}]), row("file_a", [2, 2])],
-           "final": [row("final", [1, 4], [{}, {"4": -0.5, "3": -0.52}])], "preempted": {"req_0": True, "req_1": False}}
-    alone = {"tokens": [[1, 3], [1, 3]], "logprobs": [[{}, close], [{}, far]]}
+                    row("req_1", [1, 4], [{}, {"4": -0.1, "3": -4}]),
+                    row("req_2", [1, 4], [{}, {"4": -0.1, "3": -4}]),  # preempted after 1 token: differs at 1
+                    row("req_3", [1, 4], [{}, {"4": -0.1, "3": -4}]),  # preempted after 2 tokens: differs before
+                    row("file_a", [2, 2])],
+           "final": [row("final", [1, 4], [{}, {"4": -0.5, "3": -0.52}])],
+           "preempted": {"req_0": None, "req_1": None, "req_2": 1, "req_3": 2, "final": None}}
+    alone = {"tokens": [[1, 3]] * 4, "logprobs": [[{}, close], [{}, far], [{}, far], [{}, far]]}
     diff, final = m.differences(plan, {"hf": {"k": [2, 3]}}, res, alone, 0.05)
-    assert [(d["id"], d["kind"], d["verdict"], d["preempted"]) for d in diff] == [
-        ("req_0", "main", "tie", True), ("req_1", "main", "wrong", False), ("file_a", "file", "wrong", None)]
+    assert [(d["id"], d["kind"], d["verdict"], d["preempted_after_tokens"]) for d in diff] == [
+        ("req_0", "main", "tie", None), ("req_1", "main", "wrong", None), ("req_2", "main", "after_preemption", 1),
+        ("req_3", "main", "wrong", 2), ("file_a", "file", "wrong", None)]
     assert (final["verdict"], final["first_difference"]) == ("tie", 1)
+    assert m.after_preemption({"verdict": "wrong", "first_difference": 3}, -1)["verdict"] == "wrong"  # no count
+    assert m.after_preemption({"verdict": "equal", "first_difference": None}, 0)["verdict"] == "equal"
 
 
 def test_preempted_requests_are_named_by_the_server_record(tmp_path):
     rec = tmp_path / "p.txt"
     assert preempted_requests(rec, ["req_1"], 2) is None  # no record
-    rec.write_text("cmpl-req_1-0-1a2b3c4d\ncmpl-soak0_req_1-0-5e6f\n")
-    assert preempted_requests(rec, ["req_1", "req_10", "final"], 2) == {"req_1": True, "req_10": False, "final": False}
+    rec.write_text("cmpl-req_1-0-1a2b3c4d\t17\ncmpl-soak0_req_1-0-5e6f\t3\ncmpl-req_1-0-1a2b3c4d\t40\n"
+                   "cmpl-req_2-0-9a\t\n")
+    assert preempted_requests(rec, ["req_1", "req_10", "req_2", "final"], 4) == {
+        "req_1": 17, "req_10": None, "req_2": -1, "final": None}  # the first preemption; -1: no count
     assert preempted_requests(rec, ["other"], 2) is None  # preemptions the record does not name
     rec.write_text("")
-    assert preempted_requests(rec, ["req_1"], 0) == {"req_1": False}
+    assert preempted_requests(rec, ["req_1"], 0) == {"req_1": None}
+
+
+def test_the_hook_records_each_preemption_with_the_tokens_before_it(tmp_path):
+    """The server hook's wrapper, on stand-ins for vLLM's output and request statistics."""
+    import types
+
+    from kvlocks_lab.bench.serve_load import _HOOK
+
+    calls = []
+
+    class IterationStats:
+        def update_from_output(self, output, timestamp, is_prefilling, req_stats, lora, name):
+            calls.append(output.request_id)
+
+    stats_mod = types.ModuleType("vllm.v1.metrics.stats")
+    stats_mod.IterationStats = IterationStats
+    rec = tmp_path / "rec.txt"
+    code = _HOOK.split("sys.argv = sys.argv[2:]")[0]  # install the wrapper, do not start a server
+    saved = {k: sys.modules.get(k) for k in ("vllm", "vllm.v1", "vllm.v1.metrics", "vllm.v1.metrics.stats")}
+    try:
+        for k in saved:
+            sys.modules[k] = stats_mod if k.endswith("stats") else types.ModuleType(k)
+        argv, sys.argv = sys.argv, ["-c", str(rec)]
+        exec(compile(code, "hook", "exec"), {})
+    finally:
+        sys.argv = argv
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    pre = SimpleNamespace(type=SimpleNamespace(name="PREEMPTED"))
+    sched = SimpleNamespace(type=SimpleNamespace(name="SCHEDULED"))
+    st = IterationStats()
+    st.update_from_output(SimpleNamespace(request_id="cmpl-a", events=[pre, sched]), 0.0, False,
+                          SimpleNamespace(num_generation_tokens=12), None, None)
+    st.update_from_output(SimpleNamespace(request_id="cmpl-b", events=None), 0.0, False,
+                          SimpleNamespace(num_generation_tokens=3), None, None)
+    assert calls == ["cmpl-a", "cmpl-b"]  # the original still runs
+    assert rec.read_text() == "cmpl-a\t12\n"
 
 
 def test_the_result_folder_packs_into_one_archive(tmp_path):

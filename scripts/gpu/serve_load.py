@@ -18,16 +18,19 @@ three requests continuing compacted-cache files through the kvlocks connector, o
 weights and one changed after saving. A pool of ``--blocks`` (default: 60 % of the plan's demand)
 with prefix caching forces preemption. Counted: ``requests``, ``differing`` (completed requests
 whose tokens differ from the same request served alone by the LOCKS backend; the compacted files
-against the Hugging Face path), split into ``tie_flips`` and ``wrong_tokens`` by the top-2
-log-probabilities both sides record (:func:`kvlocks_lab.bench.serve_load.compare_tokens`: at the
-first differing position the two tokens are each other's runner-up with a margin under
-``--tie-tol``; the compacted files have no log-probabilities and must match exactly), each in
-``differences`` with its first differing position, both margins, whether it was preempted (the
-server's request statistics) and its prompt length; ``stale_summaries`` (summaries used that were
+against the Hugging Face path), split into ``after_preemption`` (a request preempted after n
+tokens whose tokens first differ at or after n: vLLM resumes it by prefilling the tokens it
+generated, whose keys and values the sparse decode made otherwise), ``tie_flips`` and
+``wrong_tokens`` by the top-2 log-probabilities both sides record
+(:func:`kvlocks_lab.bench.serve_load.compare_tokens`: at the first differing position the two tokens
+are each other's runner-up with a margin under ``--tie-tol``; the compacted files have no
+log-probabilities and must match exactly), each in ``differences`` with its first differing
+position, both margins, the tokens it had generated before its first preemption (the server's
+request statistics; ``preempted`` lists them all) and its prompt length; ``stale_summaries`` (summaries used that were
 built from other keys: ``KVLOCKS_VLLM_VERIFY`` in the server, its counters written at exit),
 ``refusals``, ``hostile`` and ``hostile_violations`` (:func:`hostile_outcomes`), ``preemptions``,
 ``server_alive``, ``final_request_correct`` (``plan[0]`` again after the soak against it alone:
-equal or a tie flip, in ``final_request``), ``peak_gpu_memory_mib`` against the configured share
+equal, a tie flip or different only after a preemption, in ``final_request``), ``peak_gpu_memory_mib`` against the configured share
 (``nvidia-smi`` every second). vLLM preempts by recomputation and batches by load, so bf16 greedy
 tokens may flip at near-ties. Everything but ``serve_load.json`` (logs, specs, references,
 counters, the compacted files) ends in ``OUT/serve_load_files.tgz``, also after a failure (then
@@ -266,6 +269,16 @@ def hostile_outcomes(plan, rows: dict, files) -> list[dict]:
     return out
 
 
+def after_preemption(c: dict, before: int | None) -> dict:
+    """A comparison's verdict ``after_preemption`` where the request was preempted after ``before``
+    tokens and the first difference comes at or after them: vLLM resumes a preempted request by
+    prefilling its prompt and the tokens it generated, so from there its keys and values are
+    prefill's, not the sparse decode's that made them, and the run alone has no such point to match."""
+    if before is not None and before >= 0 and c["verdict"] != "equal" and c["first_difference"] >= before:
+        return {**c, "verdict": "after_preemption"}
+    return c
+
+
 def differences(plan, files, res, alone: dict, tol: float) -> tuple[list[dict], dict]:
     """Every completed main request against its run alone (:func:`compare_tokens`: equal, a tie flip
     or wrong), the compacted files' against the Hugging Face path (exact: no log-probabilities), and
@@ -282,15 +295,18 @@ def differences(plan, files, res, alone: dict, tol: float) -> tuple[list[dict], 
     for rid, (kind, want, want_top) in expected.items():
         got = rows[rid]
         if got["error"] is None and got["finish"] in ("length", "stop"):
-            c = compare_tokens(got["tokens"], want, got.get("logprobs"), want_top, tol)
+            before = pre.get(rid) if pre else None
+            c = after_preemption(compare_tokens(got["tokens"], want, got.get("logprobs"), want_top, tol), before)
             if c["verdict"] != "equal":
-                out.append({"id": rid, "kind": kind, **c, "preempted": pre.get(rid) if pre else None,
+                out.append({"id": rid, "kind": kind, **c, "preempted_after_tokens": before,
                             "prompt_tokens": got["prompt_tokens"]})
     final = None
     if res.get("final"):
         got = res["final"][0]
-        final = {"finish": got["finish"], "error": got["error"], "preempted": pre.get("final") if pre else None,
-                 **compare_tokens(got["tokens"], alone["tokens"][0], got.get("logprobs"), lps[0] if lps else None, tol)}
+        before = pre.get("final") if pre else None
+        final = {"finish": got["finish"], "error": got["error"], "preempted_after_tokens": before,
+                 **after_preemption(compare_tokens(got["tokens"], alone["tokens"][0], got.get("logprobs"),
+                                                   lps[0] if lps else None, tol), before)}
     return out, final
 
 
@@ -299,7 +315,7 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
 
     rows = {r["id"]: r for r in res["rows"]}
     diff, final = differences(plan, files, res, alone, args.tie_tol)
-    final_ok = bool(final) and final["error"] is None and final["verdict"] in ("equal", "tie")
+    final_ok = bool(final) and final["error"] is None and final["verdict"] in ("equal", "tie", "after_preemption")
     share = None if args.cpu or not res.get("gpu_total_mib") else round(args.share * res["gpu_total_mib"])
     hostile = hostile_outcomes(plan, rows, files) if files else []
     return {
@@ -309,8 +325,10 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
         **summarize(res["rows"], res["seconds"]),
         "compared": sum(r["kind"] in ("main", "file") for r in plan), "tie_tol": args.tie_tol,
         "differing": len(diff), "wrong_tokens": sum(d["verdict"] == "wrong" for d in diff),
-        "tie_flips": sum(d["verdict"] == "tie" for d in diff), "differences": diff,
-        "preempted": None if res.get("preempted") is None else sorted(k for k, v in res["preempted"].items() if v),
+        "tie_flips": sum(d["verdict"] == "tie" for d in diff),
+        "after_preemption": sum(d["verdict"] == "after_preemption" for d in diff), "differences": diff,
+        "preempted": None if res.get("preempted") is None else
+        {k: v for k, v in sorted(res["preempted"].items()) if v is not None},
         "stale_summaries": stale_summaries(args, out),
         "refusals": [{"id": r["id"], "status": r["status"], "reason": r["error"]} for r in res["rows"] if r["error"]],
         "hostile": hostile, "hostile_violations": sum(not h["ok"] for h in hostile),

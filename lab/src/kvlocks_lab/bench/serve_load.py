@@ -269,13 +269,15 @@ _HOOK = """import runpy, sys
 path = sys.argv[1]
 try:
     from vllm.v1.metrics.stats import IterationStats
-    original = IterationStats.update_from_events
-    def update_from_events(self, req_id, events, *args, **kwargs):
-        if any(getattr(e.type, "name", "") == "PREEMPTED" for e in events or ()):
+    original = IterationStats.update_from_output
+    def update_from_output(self, output, *args, **kwargs):
+        if any(getattr(e.type, "name", "") == "PREEMPTED" for e in getattr(output, "events", None) or ()):
+            # the first output after a preemption: the tokens delivered before it came before the preemption
+            stats = [a for a in (*args, *kwargs.values()) if hasattr(a, "num_generation_tokens")]
             with open(path, "a") as f:
-                f.write(req_id + "\\n")
-        return original(self, req_id, events, *args, **kwargs)
-    IterationStats.update_from_events = update_from_events
+                f.write(f"{output.request_id}\\t{stats[0].num_generation_tokens if stats else ''}\\n")
+        return original(self, output, *args, **kwargs)
+    IterationStats.update_from_output = update_from_output
     open(path, "a").close()
 except Exception as exc:
     print("serve_load: no record of preempted requests:", exc, file=sys.stderr)
@@ -286,20 +288,31 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 
 def server_command(module: str, record: Path) -> list[str]:
     """The command start that runs vLLM's entry point ``module`` (its arguments follow) with the API
-    process's request statistics appending the id of each request preempted to ``record``."""
+    process's request statistics appending, for each preemption, the request's id and the tokens it
+    had generated before it (tab-separated) to ``record``."""
     return [sys.executable, "-c", _HOOK, str(record), module]
 
 
 def preempted_requests(record: Path, ids: list[str], count: float | None) -> dict | None:
-    """Per request id sent (as ``request_id``): preempted at least once, from :func:`server_command`'s
-    record; None when unknown (no record, or ``count`` preemptions and none of them named)."""
+    """Per request id sent (as ``request_id``): None if never preempted, else the tokens it had
+    generated before its first preemption (from :func:`server_command`'s record; -1 where a record
+    line gives no count). None for the whole result when unknown (no record, or ``count``
+    preemptions and none of them named)."""
     if not record.is_file():
         return None
-    seen = {line.strip() for line in record.read_text().splitlines() if line.strip()}
-    named = {i for i in ids if any(s == f"cmpl-{i}" or s.startswith(f"cmpl-{i}-") for s in seen)}
-    if count and not named:
+    first: dict[str, int] = {}
+    for line in record.read_text().splitlines():
+        rid, _, n = line.strip().partition("\t")
+        if rid:
+            before = int(n) if n.strip().isdigit() else -1
+            first[rid] = min(first.get(rid, before), before) if before >= 0 else first.get(rid, -1)
+    out = {}
+    for i in ids:
+        hits = [n for s, n in first.items() if s == f"cmpl-{i}" or s.startswith(f"cmpl-{i}-")]
+        out[i] = min(hits) if hits else None
+    if count and all(v is None for v in out.values()):
         return None
-    return {i: i in named for i in ids}
+    return out
 
 
 def pack_outputs(out: Path, keep: set[str], name: str, limit: int = 15 << 20) -> list[str]:
