@@ -316,3 +316,38 @@ def test_dense_rows_longer_than_the_launch_is_sized_for_are_attended_whole():
         else:
             ref, _ = dense_decode(q[b].view(2, 3, 32).cpu(), keys, vals)
         assert torch.allclose(out[b].cpu(), ref.reshape(6, 32), atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_batch_invariant_plan_gives_each_row_the_same_bits_in_any_batch(mode):
+    """``KernelOptions(batch_invariant=True)``: a plan for four rows sizes its score and attention
+    launches as a plan for one does, so each row's pages, output and log-sum-exp are bitwise those
+    of the row decoded alone (LOCKS rows and a dense row, ``sparse_lens`` 0); without it the
+    four-row plan splits a dense row's pages otherwise."""
+    from kvlocks.config import KernelOptions
+
+    cfg = LocksConfig(budget=64, **MODES[mode])
+    q, k, v, table, seq = paged([300, 100, 600, 250], 2, 4, 64, seed=5)
+    store = store_of(k, table, seq, cfg)
+    sel = sparse_lens(torch.tensor([True, False, True, True]), seq)
+    inv = KernelOptions(batch_invariant=True)
+    four = plan_for("triton", cfg, q, k, table, options=inv, dense_tokens=1600)
+    out4, lse4 = four.run(q, k, v, store, table, seq, sparse_lens=sel)
+    pages4 = four.pages.clone()
+    for b in range(4):
+        one = plan_for("triton", cfg, q[b : b + 1], k, table[b : b + 1], options=inv, dense_tokens=1600)
+        assert (one.attend_ws.dense_splits, one.score_ws.ppp) == (four.attend_ws.dense_splits, four.score_ws.ppp)
+        out1, lse1 = one.run(q[b : b + 1], k, v, store, table[b : b + 1], seq[b : b + 1], sparse_lens=sel[b : b + 1])
+        assert torch.equal(one.pages[0].cpu(), pages4[b].cpu())
+        assert torch.equal(out1[0], out4[b]) and torch.equal(lse1[0], lse4[b]), b
+    plain4 = plan_for("triton", cfg, q, k, table, dense_tokens=1600)
+    plain1 = plan_for("triton", cfg, q[:1], k, table[:1], dense_tokens=1600)
+    assert plain4.attend_ws.dense_splits != plain1.attend_ws.dense_splits  # what the option is for
+
+
+def test_kernel_options_batch_invariant_is_a_boolean():
+    from kvlocks.config import KernelOptions
+
+    with pytest.raises(ValueError, match="batch_invariant=1: allowed True or False"):
+        KernelOptions(batch_invariant=1)
+    assert KernelOptions.from_json(KernelOptions(batch_invariant=True).to_json()).batch_invariant is True

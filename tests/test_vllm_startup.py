@@ -61,6 +61,25 @@ def test_enable_passes_kernel_options_to_the_engine_processes(monkeypatch):
         enable(CFG, kernels="short")
 
 
+def test_vllm_batch_invariant_mode_makes_the_plans_batch_invariant(monkeypatch):
+    """``VLLM_BATCH_INVARIANT=1`` turns on ``KernelOptions.batch_invariant`` in the CUDA backend's
+    plans, keeping the other kernel options of ``$KVLOCKS_VLLM_CONFIG``; a value vLLM cannot read
+    either is refused, naming it."""
+    from kvlocks.config import KernelOptions
+    from kvlocks.integrations.vllm.cuda.step import PlanPool
+
+    monkeypatch.setenv(settings.ENV_VAR, settings.to_text(CFG, settings.PluginSettings(kernels=KernelOptions(pdl=False))))
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert PlanPool().options == KernelOptions(pdl=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert PlanPool().options == KernelOptions(pdl=False, batch_invariant=True)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert PlanPool().options.batch_invariant is False
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
+    with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT='yes': allowed an integer"):
+        PlanPool().options
+
+
 def test_dense_below_resolves_by_platform_and_head_shape():
     """An integer is kept on both platforms; "auto" is 0 on CPU and, on CUDA, the crossover of the
     head shape's K/V width: 2 x 128 (GLM-4-9B) 12K tokens, 4 x 128 and 8 x 128 (Llama-3.1-8B) 10K."""

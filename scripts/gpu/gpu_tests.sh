@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU test list in one GPU run: the kernel, nvcc, re-rank and vLLM decode-step tests and the engine's GPU tests (small
-# random models, no bundled model needed), under pytest-xdist workers that share the GPU (Triton and
+# The GPU test list in one GPU run: the kernel, nvcc, re-rank and vLLM decode-step tests, the batch-invariant
+# plans' bits, and the engine's GPU tests (small random models, no bundled model needed), under pytest-xdist workers that share the GPU (Triton and
 # nvcc compiles are CPU-bound: one process needs about three 10-minute calls for the list).
 #
 #   bash scripts/gpu/gpu_tests.sh OUT [workers] [pytest args]
@@ -22,7 +22,8 @@ mkdir -p "$out"
 if [ $# -gt 0 ]; then
     args=("$@")
 else
-    args=(tests/test_kernels.py tests/test_nvcc.py tests/test_rerank.py tests/test_vllm_cuda_step.py)
+    args=(tests/test_kernels.py tests/test_nvcc.py tests/test_rerank.py tests/test_vllm_cuda_step.py
+          "tests/test_plan_paths.py::test_a_batch_invariant_plan_gives_each_row_the_same_bits_in_any_batch")
     for t in test_engine_with_cuda_score_kernel_equals_triton_score_kernel test_cuda_graph_replay_equals_eager_steps \
              test_compiled_step_equals_eager_and_compiles_once_for_all_layers test_auto_switch_mid_decode_with_cuda_graphs \
              test_triton_backend_matches_torch_backend test_compiled_graph_step_with_inductor_pdl_equals_without; do

@@ -284,6 +284,10 @@ class KernelOptions(ConfigIO):
     short_row_pages : rows of at most this many full pages get a fused-selection launch of their own,
         sized for rows that long (:func:`kvlocks.selection.fused.fused_workspace`), in plans wider
         than that; 0 (the default): one launch for every row. Same pages either way
+    batch_invariant : size the score and attention launches for a batch of one whatever the batch,
+        so a row's log-sum-exp and attention output are reduced over the same page splits, and so
+        are the same bits, whichever rows share its step (more programs at large batches). The
+        vLLM plugin turns it on under vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``)
     """
 
     pdl: bool = field(default_factory=_pdl_default)
@@ -292,10 +296,12 @@ class KernelOptions(ConfigIO):
     score_kernel: str = "auto"
     build_solver: str = "auto"
     short_row_pages: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        if self.pdl not in (True, False):
-            raise ValueError(f"KernelOptions.pdl={self.pdl!r}: allowed True or False")
+        for name in ("pdl", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelOptions.{name}={getattr(self, name)!r}: allowed True or False")
         check_int("KernelOptions", "compile_mode_max_batch", self.compile_mode_max_batch, 0, 4096)
         launches = self.dense_launches
         if not isinstance(launches, (tuple, list)) or not launches:

@@ -299,18 +299,20 @@ class DecodePlan:
             from kvlocks.scoring.triton import score_workspace
             from kvlocks.selection.fused import fused_workspace
 
-            rows = batch * num_kv_heads
+            rows, sized = batch * num_kv_heads, 1 if self.options.batch_invariant else batch
             if config.rerank_scores == "centroid":
                 from kvlocks.scoring.triton_centroid import centroid_workspace
 
-                self.score_ws = centroid_workspace(batch, num_kv_heads, group, max_pages, device)
+                self.score_ws = centroid_workspace(batch, num_kv_heads, group, max_pages, device, split_batch=sized)
             else:
-                self.score_ws = score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim)
+                self.score_ws = score_workspace(batch, num_kv_heads, group, max_pages, device, head_dim=head_dim,
+                                                split_batch=sized)
             short = self.options.short_row_pages
             self.select_ws = fused_workspace(batch, num_kv_heads, max_pages, self.k, device, short_pages=short)
             self.attend_ws = attention_workspace(batch, num_kv_heads * group, head_dim, self.k, rows, dtype, device,
                                                  launch=self.options.dense_launches[0],
-                                                 dense_pages=num_pages(dense_tokens, config.page_size))
+                                                 dense_pages=num_pages(dense_tokens, config.page_size),
+                                                 split_rows=sized * num_kv_heads)
             if config.rerank:  # the fused selection picks the candidates: k' = M + sink + recent pages
                 from kvlocks.selection.triton_rerank import rerank_workspace
 

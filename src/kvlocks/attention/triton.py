@@ -209,15 +209,18 @@ def _splits(pages: int, rows: int, device, launch: DenseLaunch) -> tuple[int, in
 
 def attention_workspace(batch: int, num_q_heads: int, head_dim: int, list_len: int, rows: int, dtype, device,
                         launch: DenseLaunch | None = None, num_splits: int | None = None,
-                        dense_pages: int = 0) -> AttentionWorkspace:
+                        dense_pages: int = 0, split_rows: int | None = None) -> AttentionWorkspace:
     """Buffers for :func:`paged_decode` with ``launch`` (default ``DenseLaunch()``) over page lists of
     ``list_len`` entries and ``rows = B * Hkv``; ``num_splits`` None: :func:`default_splits` times
     the launch's split factor. ``dense_pages``: the pages of the longest row attended over every
     page that the launch is sized for (0: as many programs as a list; longer rows are still
-    attended whole, by fewer programs per page)."""
+    attended whole, by fewer programs per page). ``split_rows``: the rows the split counts are
+    sized for (default ``rows``); a row's pages are split the same way whatever the batch when it
+    is fixed, so its output bits do not depend on the rows beside it."""
     device = torch.device(device)
     launch = launch or DenseLaunch()
     ppi = launch.ppi
+    rows = split_rows or rows
     if num_splits is None:
         num_splits, pps = _splits(list_len, rows, device, launch)
     else:

@@ -147,15 +147,18 @@ def tuned_launch(head_dim: int = 128):
 
 
 def score_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, device,
-                    pages_per_program: int | None = None, head_dim: int = 128) -> ScoreWorkspace:
+                    pages_per_program: int | None = None, head_dim: int = 128,
+                    split_batch: int | None = None) -> ScoreWorkspace:
     """Buffers for :func:`score_pages_paged`, allocated once per plan. Pages per program: sized
     for the CUDA kernel where it runs (``head_dim`` in ``CUDA_HEAD_DIMS`` and compiled: a multiple of
-    every kernel's step), else for Triton's."""
+    every kernel's step), else for Triton's, to fill the GPU with ``split_batch`` rows (default
+    ``batch``; the per-head log-sum-exp is summed over the programs of a row, so a fixed value
+    makes it independent of the batch)."""
     device = torch.device(device)
-    ppp = pages_per_program
+    ppp, rows = pages_per_program, (split_batch or batch) * num_kv_heads
     if ppp is None and device.type == "cuda" and head_dim in CUDA_HEAD_DIMS and cuda_mma.available(device):
-        ppp = cuda_mma.pages_per_program(max_pages, batch * num_kv_heads, device, head_dim, group)
-    ppp = ppp or launch_sizes(max_pages, batch * num_kv_heads, device, MAX_BLOCK)
+        ppp = cuda_mma.pages_per_program(max_pages, rows, device, head_dim, group)
+    ppp = ppp or launch_sizes(max_pages, rows, device, MAX_BLOCK)
     return ScoreWorkspace.allocate(batch, num_kv_heads, group, max_pages, device, ppp)
 
 

@@ -61,11 +61,13 @@ def _centroid_score_kernel(q_ptr, stride_qb, stride_qh, cen_ptr, censcale_ptr, b
     tl.store(st + GQ, l_run)
 
 
-def centroid_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, device) -> ScoreWorkspace:
-    """The score workspace sized for this kernel's programs."""
+def centroid_workspace(batch: int, num_kv_heads: int, group: int, max_pages: int, device,
+                       split_batch: int | None = None) -> ScoreWorkspace:
+    """The score workspace sized for this kernel's programs (for ``split_batch`` rows, default
+    ``batch``: :func:`kvlocks.scoring.triton.score_workspace`)."""
     device = torch.device(device)
     return ScoreWorkspace.allocate(batch, num_kv_heads, group, max_pages, device,
-                                   launch_sizes(max_pages, batch * num_kv_heads, device, BLOCK))
+                                   launch_sizes(max_pages, (split_batch or batch) * num_kv_heads, device, BLOCK))
 
 
 def score_pages_centroid(queries: torch.Tensor, summaries: SummaryStore, block_table: torch.Tensor,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,17 @@ def is_cuda_platform() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cuda())
+
+
+def batch_invariant() -> bool:
+    """Whether vLLM runs in its batch-invariant mode (``VLLM_BATCH_INVARIANT``, an integer read as vLLM
+    reads it: a request's outputs do not depend on the requests batched with it); the LOCKS plans
+    then launch as for one row (``KernelOptions.batch_invariant``)."""
+    value = os.environ.get("VLLM_BATCH_INVARIANT", "0")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"VLLM_BATCH_INVARIANT={value!r}: allowed an integer (0 off, 1 on)") from None
 
 
 def is_capturing() -> bool:

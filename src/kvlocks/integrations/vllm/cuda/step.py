@@ -158,11 +158,16 @@ class PlanPool:
 
     @property
     def options(self) -> KernelOptions | None:
-        """The plans' KernelOptions: the constructor's, else ``$KVLOCKS_VLLM_CONFIG``'s ``"kernels"``."""
+        """The plans' KernelOptions: the constructor's, else ``$KVLOCKS_VLLM_CONFIG``'s ``"kernels"``;
+        ``batch_invariant`` on under vLLM's batch-invariant mode."""
         if self._options is None:
+            from kvlocks.integrations.vllm.cuda import compat as cuda_compat
             from kvlocks.integrations.vllm.plugin import current_settings
 
-            self._options = current_settings().kernels or default_kernel_options()
+            options = current_settings().kernels or default_kernel_options()
+            if cuda_compat.batch_invariant() and not options.batch_invariant:
+                options = options.replace(batch_invariant=True)
+            self._options = options
         return self._options
 
     def _make(self, shape: tuple, size: int) -> DecodePlan:
