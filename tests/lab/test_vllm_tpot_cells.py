@@ -63,3 +63,14 @@ def test_the_random_prefix_connector_is_refused_for_hybrid_shapes(tmp_path, caps
         main(["--out", str(tmp_path), "--models", "gpt-oss-20b", "--prefix", "connector", "--contexts", "131072"])
     err = capsys.readouterr().err
     assert "sliding-window layers" in err and "--prefix prefill" in err and "gpt-oss-20b" in err
+
+
+@pytest.mark.parametrize("locks,needle", [('{"budget": 512}', "other than budget"), ('[1]', "other than budget"),
+                                          ('{"rerank": -1}', "rerank"), ('{"bogus": 1}', "bogus")])
+def test_bad_locks_settings_are_refused_before_any_engine(tmp_path, capsys, locks, needle):
+    from kvlocks_lab.bench.vllm_tpot import main
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--models", "llama3.1-8b", "--contexts", "32768", "--locks", locks])
+    err = capsys.readouterr().err
+    assert "--locks" in err and needle in err

@@ -129,7 +129,8 @@ def _worker(spec: dict) -> list[dict]:
         from kvlocks.config import KernelOptions
 
         kernels = KernelOptions.from_json(json.dumps(spec["kernels"])) if spec.get("kernels") else None
-        enable(LocksConfig(budget=spec["budget"]), dense_below=DENSE_BELOW[spec["backend"]], kernels=kernels)
+        config = LocksConfig(budget=spec["budget"], **(spec.get("locks") or {}))
+        enable(config, dense_below=DENSE_BELOW[spec["backend"]], kernels=kernels)
     cells, new = spec["cells"], spec["new_tokens"]  # [[context, [batch, ...]], ...]
     max_len = max(max(c for c, _ in cells) + new + 16, spec.get("max_model_len") or 0)
     batches_all = sorted({b for _, bs in cells for b in bs})
@@ -171,6 +172,7 @@ def _worker(spec: dict) -> list[dict]:
             rows.append({"model": spec["model"], "backend": spec["backend"], "context": ctx, "batch": b,
                          "new_tokens": new, "budget": spec["budget"] if spec["backend"] in DENSE_BELOW else None,
                          "dense_below": DENSE_BELOW.get(spec["backend"]), "kernels": spec.get("kernels"),
+                         "locks": spec.get("locks") if spec["backend"] in DENSE_BELOW else None,
                          "max_model_len": max_len, "tpot_ms": 1e3 * sum(tpots) / len(tpots) if tpots else None,
                          "tpot_ms_per_request": [1e3 * t for t in tpots],
                          "ttft_s": max(ttfts) if ttfts else None, "ttft_wall_s": ttft_wall,
@@ -282,6 +284,10 @@ def main(argv=None) -> int:
                          "LOCKS plans are as wide as its block table, e.g. 32K requests in a 1M engine")
     ap.add_argument("--kernels", type=json.loads, default=None,
                     help='KernelOptions fields for the LOCKS engines\' plans as JSON, e.g. \'{"short_row_pages": 5120}\'')
+    ap.add_argument("--locks", type=json.loads, default=None,
+                    help='LocksConfig fields besides the budget for the LOCKS engines as JSON, e.g. the exact re-rank '
+                         '\'{"rerank": 4}\' or the two-tier mode \'{"rerank": 16, "rerank_min": 256, '
+                         '"rerank_scores": "centroid"}\' (default: the default selection for the budget)')
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after each cell's TPOT, GPU time per kernel class of one decode step, from this many "
                          "steps under torch.profiler (0: no profile)")
@@ -293,6 +299,15 @@ def main(argv=None) -> int:
             KernelOptions.from_json(json.dumps(args.kernels))
         except (TypeError, ValueError) as exc:
             ap.error(f"--kernels: {exc}")
+    if args.locks is not None:
+        from kvlocks.config import LocksConfig
+
+        if not isinstance(args.locks, dict) or "budget" in args.locks:
+            ap.error("--locks: a JSON object of LocksConfig fields other than budget (--budget sets it)")
+        try:
+            LocksConfig(budget=args.budget, **args.locks)
+        except (TypeError, ValueError) as exc:
+            ap.error(f"--locks: {exc}")
     if args.new_tokens < 2 or any(b < 1 for b in args.batches):
         ap.error("--new-tokens must be >= 2 and every batch >= 1")
     for c in args.contexts:
@@ -329,7 +344,8 @@ def main(argv=None) -> int:
                     "cells": [[ctx, sorted(b)] for ctx, b in sorted(cells.items())], "new_tokens": args.new_tokens,
                     "budget": args.budget, "vocab": cfg["vocab_size"], "profile_steps": args.profile_steps,
                     "prefix": args.prefix, "prefix_seed": args.prefix_seed, "max_model_len": args.max_model_len,
-                    "kernels": args.kernels if backend in DENSE_BELOW else None}
+                    "kernels": args.kernels if backend in DENSE_BELOW else None,
+                    "locks": args.locks if backend in DENSE_BELOW else None}
             got = engine_process.run_rows("kvlocks_lab.bench.vllm_tpot", spec, args.out, args.timeout,
                                           {k: spec[k] for k in ("model", "backend", "cells", "prefix")})
             rows += got
