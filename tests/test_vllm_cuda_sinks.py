@@ -5,12 +5,17 @@ attended keys plus the sink logit, row by row. The gpt-oss-like GPU test's heads
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from kvlocks.config import LocksConfig
-from kvlocks.integrations.vllm.cuda.compat import split_flash_kv_cache
-from kvlocks.integrations.vllm.cuda.step import LocksDecoder, LocksStep, PlanPool, step_lens
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (the next test files run kernels)
+
+from kvlocks.config import LocksConfig  # noqa: E402
+from kvlocks.integrations.vllm.cuda.compat import split_flash_kv_cache  # noqa: E402
+from kvlocks.integrations.vllm.cuda.step import LocksDecoder, LocksStep, PlanPool, step_lens  # noqa: E402
 
 S, HKV, G, D, NB, W = 16, 2, 4, 64, 160, 24
 HQ, SCALE = HKV * G, 64 ** -0.5

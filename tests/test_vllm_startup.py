@@ -5,15 +5,19 @@ and the exact sink correction."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
-from kvlocks.config import LocksConfig
-from kvlocks.integrations.vllm import layers as lt
-from kvlocks.integrations.vllm import settings, startup
-from kvlocks.integrations.vllm.cuda import memory
-from kvlocks.integrations.vllm.sinks import apply_sinks
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (the CUDA step's are)
+
+from kvlocks.config import LocksConfig  # noqa: E402
+from kvlocks.integrations.vllm import layers as lt  # noqa: E402
+from kvlocks.integrations.vllm import settings, startup  # noqa: E402
+from kvlocks.integrations.vllm.cuda import memory  # noqa: E402
+from kvlocks.integrations.vllm.sinks import apply_sinks  # noqa: E402
 
 CFG = LocksConfig(budget=256)
 
