@@ -139,6 +139,9 @@ def test_preempted_requests_are_named_by_the_server_record(tmp_path):
     assert preempted_requests(rec, ["req_1", "req_10", "req_2", "final"], 4) == {
         "req_1": 17, "req_10": None, "req_2": -1, "final": None}  # the first preemption; -1: no count
     assert preempted_requests(rec, ["other"], 2) is None  # preemptions the record does not name
+    rec.write_text("cmpl-90c3-0-b8b1\t46\ncmpl-88aa-0-96a8\t7\n")  # ids of the server's own (vLLM 0.26)
+    assert preempted_requests(rec, ["req_0", "req_1", "final"], 2, {"req_0": "cmpl-90c3", "final": "cmpl-77"}) == {
+        "req_0": 46, "req_1": None, "final": None}
     rec.write_text("")
     assert preempted_requests(rec, ["req_1"], 0) == {"req_1": None}
 

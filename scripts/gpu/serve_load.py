@@ -179,7 +179,8 @@ def serve(args, plan, files, out: Path, served_json: str, res: dict) -> None:
     res["peak_gpu_memory_mib"] = sampler.peak_tree if sampler.peak_tree is not None else sampler.peak
     res["peak_gpu_memory_of"] = "server processes" if sampler.peak_tree is not None else "device"
     res["device_peak_mib"], res["gpu_total_mib"] = sampler.peak, sampler.total
-    res["preempted"] = preempted_requests(record, [r["id"] for r in plan] + ["final"], res.get("preemptions"))
+    answered = {r["id"]: r.get("response_id") for r in res.get("rows", []) + res.get("final", [])}
+    res["preempted"] = preempted_requests(record, [r["id"] for r in plan] + ["final"], res.get("preemptions"), answered)
 
 
 def soak(base: str, plan: list[dict], seconds: float) -> dict:

@@ -65,6 +65,7 @@ async def _one(client, model: str, req: dict) -> dict:
                                                      temperature=0.0, stream=True, extra_body=body, **kw)
             chunks = 0
             async for chunk in stream:
+                row["response_id"] = row.get("response_id") or getattr(chunk, "id", None)
                 choice = chunk.choices[0] if chunk.choices else None
                 if choice is not None:
                     row["tokens"] += list(getattr(choice, "token_ids", None) or [])
@@ -80,7 +81,7 @@ async def _one(client, model: str, req: dict) -> dict:
         else:
             out = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
                                                   temperature=0.0, extra_body=body, **kw)
-            choice = out.choices[0]
+            choice, row["response_id"] = out.choices[0], getattr(out, "id", None)
             row["tokens"], row["finish"] = list(getattr(choice, "token_ids", None) or []), choice.finish_reason
             _add_logprobs(row, choice)
     except openai.APIStatusError as exc:
@@ -293,11 +294,14 @@ def server_command(module: str, record: Path) -> list[str]:
     return [sys.executable, "-c", _HOOK, str(record), module]
 
 
-def preempted_requests(record: Path, ids: list[str], count: float | None) -> dict | None:
+def preempted_requests(record: Path, ids: list[str], count: float | None,
+                       response_ids: dict[str, str] | None = None) -> dict | None:
     """Per request id sent (as ``request_id``): None if never preempted, else the tokens it had
     generated before its first preemption (from :func:`server_command`'s record; -1 where a record
-    line gives no count). None for the whole result when unknown (no record, or ``count``
-    preemptions and none of them named)."""
+    line gives no count). The record names a request ``cmpl-<id>-...`` where the server took the
+    client's ``request_id``, else by the completion id it answered with (``response_ids``: request
+    id -> that id, as :func:`run_load`'s rows keep it). None for the whole result when unknown (no
+    record, or ``count`` preemptions and none of them named)."""
     if not record.is_file():
         return None
     first: dict[str, int] = {}
@@ -308,7 +312,8 @@ def preempted_requests(record: Path, ids: list[str], count: float | None) -> dic
             first[rid] = min(first.get(rid, before), before) if before >= 0 else first.get(rid, -1)
     out = {}
     for i in ids:
-        hits = [n for s, n in first.items() if s == f"cmpl-{i}" or s.startswith(f"cmpl-{i}-")]
+        names = {f"cmpl-{i}"} | ({(response_ids or {})[i]} if (response_ids or {}).get(i) else set())
+        hits = [n for s, n in first.items() if any(s == m or s.startswith(f"{m}-") for m in names)]
         out[i] = min(hits) if hits else None
     if count and all(v is None for v in out.values()):
         return None
