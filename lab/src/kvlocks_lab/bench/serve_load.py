@@ -310,9 +310,9 @@ def preempted_requests(record: Path, ids: list[str], count: float | None,
         if rid:
             before = int(n) if n.strip().isdigit() else -1
             first[rid] = min(first.get(rid, before), before) if before >= 0 else first.get(rid, -1)
-    out = {}
+    out, answered = {}, response_ids or {}
     for i in ids:
-        names = {f"cmpl-{i}"} | ({(response_ids or {})[i]} if (response_ids or {}).get(i) else set())
+        names = {f"cmpl-{i}", answered.get(i)} - {None, ""}
         hits = [n for s, n in first.items() if any(s == m or s.startswith(f"{m}-") for m in names)]
         out[i] = min(hits) if hits else None
     if count and all(v is None for v in out.values()):
