@@ -131,6 +131,35 @@ def test_differences_mark_kinds_preemption_and_the_final_request():
     assert m.after_preemption({"verdict": "equal", "first_difference": None}, 0)["verdict"] == "equal"
 
 
+def test_compacted_file_rows_are_judged_against_the_file_served_alone():
+    """On CUDA each file's request is compared with the file alone through the LOCKS backend, with
+    both sides' top-2 log-probabilities; without that reference, against the HF path's tokens with the
+    served side's log-probabilities alone."""
+    m = _module()
+    plan = [{"id": "file_a", "kind": "file", "key": "a|q"}, {"id": "file_b", "kind": "file", "key": "b|q"},
+            {"id": "hostile_tampered", "kind": "hostile"}]
+
+    def row(rid, tokens, top):
+        return {"id": rid, "tokens": tokens, "logprobs": top, "error": None, "finish": "length", "prompt_tokens": 9,
+                "status": 200}
+
+    near, sure = [{}, {"5": -0.60, "6": -0.62}], [{}, {"5": -0.1, "6": -3.0}]
+    res = {"rows": [row("file_a", [2, 5], near), row("file_b", [2, 5], sure), row("hostile_tampered", [2, 5], near)],
+           "final": [], "preempted": {}}
+    alone = {"file_a": {"tokens": [2, 6], "logprobs": [{}, {"6": -0.60, "5": -0.61}]},
+             "file_b": {"tokens": [2, 6], "logprobs": [{}, {"6": -0.05, "5": -3.5}]}}
+    files = {"hf": {"a|q": [2, 6], f"a|{m.Q1}": [2, 6], "b|q": [2, 5]}, "alone": alone}
+    diff, _ = m.differences(plan, files, res, {"tokens": [], "logprobs": None}, 0.25)
+    assert [(d["id"], d["verdict"], d["first_difference"]) for d in diff] == [("file_a", "tie", 1), ("file_b", "wrong", 1)]
+    rows = {r["id"]: r for r in res["rows"]}
+    assert m.files_against_hf(plan, files, rows) == {"file_a": 1, "file_b": "equal"}
+    assert [(h["outcome"], h["ok"]) for h in m.hostile_outcomes(plan, rows, files)] == [
+        ("served file a's cached prefix", True)]  # file a's tokens up to the same tie flip
+    hf_only = {"hf": {**files["hf"], "b|q": [2, 6]}}  # --cpu: the HF path's tokens
+    diff, _ = m.differences(plan, hf_only, res, {"tokens": [], "logprobs": None}, 0.25)
+    assert [(d["id"], d["verdict"]) for d in diff] == [("file_a", "tie"), ("file_b", "wrong")]
+
+
 def test_preempted_requests_are_named_by_the_server_record(tmp_path):
     rec = tmp_path / "p.txt"
     assert preempted_requests(rec, ["req_1"], 2) is None  # no record

@@ -17,19 +17,22 @@ streamed and not; four streams the client closes after three chunks; two over-le
 three requests continuing compacted-cache files through the kvlocks connector, one file for other
 weights and one changed after saving. A pool of ``--blocks`` (default: 60 % of the plan's demand)
 with prefix caching forces preemption. Counted: ``requests``, ``differing`` (completed requests
-whose tokens differ from the same request served alone by the LOCKS backend; the compacted files
-against the Hugging Face path), split into ``after_preemption`` (a request preempted after n
+whose tokens differ from the same request served alone by the LOCKS backend; on CUDA the
+compacted files' likewise, each file alone through the connector, ``scripts/gpu/serve_files.py``),
+split into ``after_preemption`` (a request preempted after n
 tokens whose tokens first differ at or after n: vLLM resumes it by prefilling the tokens it
 generated, whose keys and values the sparse decode made otherwise), ``tie_flips`` and
 ``wrong_tokens`` by the top-2 log-probabilities both sides record
 (:func:`kvlocks_lab.bench.serve_load.compare_tokens`: at the first differing position the two tokens
-are each other's runner-up with a margin under ``--tie-tol``; the compacted files have no
-log-probabilities and must match exactly), each in ``differences`` with its first differing
+are each other's runner-up with a margin under ``--tie-tol``; with ``--cpu`` the compacted files
+are compared with the Hugging Face path's float32 tokens, judged by the served side's
+log-probabilities), each in ``differences`` with its first differing
 position, both margins, the tokens it had generated before its first preemption (the server's
 request statistics; ``preempted`` lists them all) and its prompt length; ``stale_summaries`` (summaries used that were
 built from other keys: ``KVLOCKS_VLLM_VERIFY`` in the server, its counters written at exit),
 ``refusals``, ``hostile`` and ``hostile_violations`` (:func:`hostile_outcomes`), ``preemptions``,
-``server_alive``, ``final_request_correct`` (``plan[0]`` again after the soak against it alone:
+``files_against_hf`` (the file rows against the Hugging Face path's decode in bf16, read, not
+counted), ``server_alive``, ``final_request_correct`` (``plan[0]`` again after the soak against it alone:
 equal, a tie flip or different only after a preemption, in ``final_request``), ``peak_gpu_memory_mib`` against the configured share
 (``nvidia-smi`` every second). vLLM preempts by recomputation and batches by load, so bf16 greedy
 tokens may flip at near-ties. Everything but ``serve_load.json`` (logs, specs, references,
@@ -51,17 +54,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import long_text, read_trace  # noqa: E402
+from serve_files import (Q1, compacted_files, file_reference, file_references,  # noqa: E402,F401
+                         file_rows, files_against_hf, hostile_outcomes)
 
 MAX_TOKENS = {"cpu": 32, "cuda": 128}  # new tokens a main request: on the GPU enough growth (8 blocks a request)
 # past vLLM's 1 % watermark that the full pool preempts running requests
-Q1 = " Question: what is the code word for box 12? Answer:"
 SERVED = "served"  # --served-model-name
-
-
-def _doc(items: int, seed: int) -> str:
-    return long_text(items, seed=seed).split(" Question:")[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,19 +102,7 @@ def make_plan(n: int, max_len: int, files: dict | None, max_tokens: int, low: in
     plan.append({"id": "over_prompt", "kind": "over", "prompt": _p(max_len + 50, 200), "max_tokens": 8})
     plan.append({"id": "over_total", "kind": "over", "prompt": _p(max_len - 20, 201), "max_tokens": 100})
     if files:
-        from kvlocks.integrations.vllm.connector.compacted import compacted_request
-
-        for doc in ("a", "b"):
-            prompt, params = compacted_request(files["docs"][doc]["path"], files["questions"][Q1],
-                                               files["vocab_size"], name=f"{doc}.safetensors")
-            plan.append({"id": f"file_{doc}", "kind": "file", "key": f"{doc}|{Q1}",
-                         "prompt": prompt["prompt_token_ids"],
-                         "max_tokens": 24, "ignore_eos": False, "kv_transfer_params": params})
-        for rid, name in (("hostile_other_model", "other_weights"), ("hostile_tampered", "tampered_data")):
-            prompt, params = compacted_request(files["bad"][name], files["questions"][Q1], files["vocab_size"],
-                                               name=f"bad_{name}.safetensors")
-            plan.append({"id": rid, "kind": "hostile", "prompt": prompt["prompt_token_ids"], "max_tokens": 24,
-                         "ignore_eos": False, "kv_transfer_params": params})
+        plan += file_rows(files)
     return plan
 
 
@@ -223,25 +212,6 @@ def references(args, plan, out: Path, locks_json: str) -> dict:
     return json.loads((out / "alone.json").read_text())
 
 
-def compacted_files(args, out: Path) -> dict | None:
-    """The CPU suite's compacted files (``tests/vllm/compact_ref.py``), or None (``--no-files``, or
-    random weights: the files are the bundled model's)."""
-    if args.no_files or args.model_dir:
-        return None
-    files = out / "caches"
-    files.mkdir(exist_ok=True)
-    spec = {"dir": str(files), "max_tokens": 24, "questions": [Q1],
-            "reference_dtype": "float32" if args.cpu else "bfloat16",  # the server's dtype
-            "docs": [{"name": "a", "text": _doc(20, 0), "method": "fold", "t": 48},
-                     {"name": "b", "text": _doc(14, 5), "method": "drop_refit", "t": 40}]}
-    (out / "compact.spec.json").write_text(json.dumps(spec))
-    with open(out / "compact.log", "w") as log:
-        subprocess.run([args.compact_python or sys.executable, str(ROOT / "tests" / "vllm" / "compact_ref.py"),
-                        str(out / "compact.spec.json"), str(out / "compact.json")], stdout=log,
-                       stderr=subprocess.STDOUT, check=True)
-    return {**json.loads((out / "compact.json").read_text()), "cache_dir": str(files)}
-
-
 def stale_summaries(args, out: Path) -> int | None:
     """Summaries used that were built from other keys: the server's counters (CUDA, written at exit
     by every engine process) or its trace (CPU); None when neither was written."""
@@ -250,24 +220,6 @@ def stale_summaries(args, out: Path) -> int | None:
         return sum(r.get("stale") or 0 for r in trace) if trace else None
     found = [json.loads(p.read_text()) for p in out.glob("counters.json.*")]
     return sum(c.get("stale_used", 0) for c in found) if found else None
-
-
-def hostile_outcomes(plan, rows: dict, files) -> list[dict]:
-    """What each hostile file's request got, and whether that is allowed: the file for other weights
-    is refused (its header); the tampered one (``tests/vllm/compact_ref.py`` changes a data byte of
-    file a's and keeps its header, so its checksum and placeholder ids are file a's) is refused when
-    its data is read, or, when vLLM's prefix cache already holds every placeholder block from a load
-    of file a, continues that validated content: file a's reference tokens exactly."""
-    out = []
-    for r in (r for r in plan if r["kind"] == "hostile"):
-        got = rows[r["id"]]
-        refused = got["error"] is not None or got["finish"] not in ("length", "stop")
-        if r["id"] == "hostile_tampered" and not refused:
-            ok, outcome = got["tokens"] == files["hf"][f"a|{Q1}"], "served file a's cached prefix"
-        else:
-            ok, outcome = refused, "refused" if refused else "served"
-        out.append({"id": r["id"], "outcome": outcome, "status": got["status"], "ok": ok})
-    return out
 
 
 def after_preemption(c: dict, before: int | None) -> dict:
@@ -282,8 +234,8 @@ def after_preemption(c: dict, before: int | None) -> dict:
 
 def differences(plan, files, res, alone: dict, tol: float) -> tuple[list[dict], dict]:
     """Every completed main request against its run alone (:func:`compare_tokens`: equal, a tie flip
-    or wrong), the compacted files' against the Hugging Face path (exact: no log-probabilities), and
-    the final request against the first one alone. Returns the differing requests and the final's."""
+    or wrong), the compacted files' against theirs (:func:`file_reference`), and the final request
+    against the first one alone. Returns the differing requests and the final's."""
     from kvlocks_lab.bench.serve_load import compare_tokens
 
     rows, pre = {r["id"]: r for r in res["rows"]}, res.get("preempted")
@@ -291,7 +243,7 @@ def differences(plan, files, res, alone: dict, tol: float) -> tuple[list[dict], 
     main = [r for r in plan if r["kind"] == "main"]
     expected = {r["id"]: ("main", alone["tokens"][i], lps[i] if i < len(lps) else None) for i, r in enumerate(main)}
     if files:
-        expected.update({r["id"]: ("file", files["hf"][r["key"]], None) for r in plan if r["kind"] == "file"})
+        expected.update({r["id"]: ("file", *file_reference(r["id"], r["key"], files)) for r in plan if r["kind"] == "file"})
     out = []
     for rid, (kind, want, want_top) in expected.items():
         got = rows[rid]
@@ -333,6 +285,8 @@ def summary(args, plan, files, res, alone, out: Path) -> dict:
         "stale_summaries": stale_summaries(args, out),
         "refusals": [{"id": r["id"], "status": r["status"], "reason": r["error"]} for r in res["rows"] if r["error"]],
         "hostile": hostile, "hostile_violations": sum(not h["ok"] for h in hostile),
+        "file_reference": None if not files else "alone" if files.get("alone") else "hf",
+        "files_against_hf": files_against_hf(plan, files, rows) if files else None,
         "preemptions": res.get("preemptions"), "soak": res.get("soak"), "server_alive": res.get("server_alive"),
         "final_request_correct": final_ok, "final_request": final,
         "peak_gpu_memory_mib": res.get("peak_gpu_memory_mib"), "peak_gpu_memory_of": res.get("peak_gpu_memory_of"),
@@ -416,6 +370,9 @@ def run(args, state: dict) -> dict:
     serve(args, plan, files, args.out, served_json, state.setdefault("res", {}))
     state["stage"] = "references"
     alone = references(args, plan, args.out, locks_json)
+    if files and not args.cpu:
+        state["stage"] = "file references"
+        files["alone"] = file_references(args, plan, files, args.out, locks_json)
     state["stage"] = "summary"
     return summary(args, plan, files, state["res"], alone, args.out)
 

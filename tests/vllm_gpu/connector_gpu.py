@@ -1,9 +1,10 @@
 """Run one CUDA vLLM engine with the kvlocks KV connector (and optionally the LOCKS backend) and write
 its results as JSON. Usage: python connector_gpu.py SPEC.json OUT.json. SPEC: {"llm": {LLM kwargs},
 "cache_dir": str, "max_tokens": int, "locks": LocksConfig JSON or null, "batches": [[{"id", "file",
-"new": [ids]}, ...], ...]}. Greedy, stopping at EOS. In-process engine core (the caller sets
-VLLM_ENABLE_V1_MULTIPROCESSING=0) so the LOCKS counters are read here.
-OUT: {"results": {id: {"tokens", "finish", "num_cached_tokens"}}, "counters"}."""
+"new": [ids]}, ...], ...], "logprobs": int or null (the top log-probabilities of every output position)}.
+Greedy, stopping at EOS. In-process engine core (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0)
+so the LOCKS counters are read here. OUT: {"results": {id: {"tokens", "finish", "num_cached_tokens",
+"logprobs" (with "logprobs": per position {token id: log-probability})}}, "counters"}."""
 
 import json
 import sys
@@ -30,11 +31,14 @@ if __name__ == "__main__":
         for r in batch:
             prompt, kv_params = compacted_request(r["file"], r["new"], vocab, name=Path(r["file"]).name)
             prompts.append(prompt)
-            params.append(SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0,
+            params.append(SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=spec.get("logprobs"),
                                          extra_args={"kv_transfer_params": kv_params}))
         for r, o in zip(batch, llm.generate(prompts, params, use_tqdm=False)):
             results[r["id"]] = {"tokens": list(o.outputs[0].token_ids), "finish": str(o.outputs[0].finish_reason),
                                 "num_cached_tokens": o.num_cached_tokens}
+            if spec.get("logprobs"):
+                results[r["id"]]["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()}
+                                                for pos in o.outputs[0].logprobs]
     counters = None
     if spec.get("locks"):
         from kvlocks.integrations.vllm.cuda.backend import debug_counters
