@@ -85,3 +85,33 @@ def test_teacher_forcing_fork_follows_reference(monkeypatch):
     # positions 0-2 come from the shared path (diverging at 2); position 3 from the fork fed ref[2] = 0
     assert [int(lp.argmax()) for lp in logps] == [1, 2, 3, 1]
     assert cache.path == [1, 2, 3]
+
+
+def test_a_dense_question_is_read_with_full_attention_and_the_method_selects_after_it(model_tok, tmp_path):
+    """question="dense": the question's steps on a selector's cache give full attention's logits exactly
+    (a serving engine prefills the prompt densely); the answer's steps select again."""
+    import torch
+
+    from kvlocks.config import LocksConfig
+    from kvlocks.integrations.hf import LocksCache
+    from kvlocks.integrations.hf.decode import prefill, step
+    from kvlocks_lab.eval.runner import read_densely
+
+    model, tok = model_tok
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 40, return_tensors="pt").input_ids[:, :400]
+    with torch.inference_mode():
+        cache = LocksCache(model.config, method="locks", config=LocksConfig(budget=32))
+        prefill(model, cache, ids)
+        full, sparse = cache.fork(method="full"), cache.fork()
+        with read_densely(sparse, True):
+            assert sparse.selector is None
+            assert torch.equal(step(model, sparse, 11), step(model, full, 11))
+        assert sparse.selector is not None  # the method selects again after the question
+        assert not torch.allclose(step(model, sparse, 12), step(model, full, 12), atol=1e-3)
+    cfg = EvalConfig(tasks=("passkey",), lengths=(384,), budgets=(32,), methods=("full", "locks"), samples=1,
+                     question="dense")
+    run_eval(cfg, tmp_path, model=model, tok=tok, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert {r["question"] for r in rows} == {"dense"}
+    with pytest.raises(ValueError, match=r"EvalConfig.question='sparse': allowed \('method', 'dense'\)"):
+        EvalConfig(question="sparse")

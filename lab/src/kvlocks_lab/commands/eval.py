@@ -25,6 +25,7 @@ def _joined(values) -> str:
 def add_parser(sub) -> None:
     from kvlocks.commands.common import HelpFormatter
     from kvlocks.compaction.config import METHODS as COMPACTIONS
+    from kvlocks_lab.eval.grid import QUESTION_READS
     from kvlocks_lab.eval.suite import EvalConfig, task_names
     from kvlocks.integrations.hf import method_names
 
@@ -60,6 +61,10 @@ def add_parser(sub) -> None:
                    help="compaction methods: reference queries per KV head")
     p.add_argument("--compaction-self-study-tokens", type=int, default=d["compaction_self_study_tokens"].default,
                    help="compaction methods: greedy tokens after each self-study prompt of the capture")
+    p.add_argument("--question", default=d["question"].default, choices=QUESTION_READS,
+                   help="how a record's question (the tokens after the context) is read: 'method' decodes it "
+                        "through the method, selection included; 'dense' with full attention, as a serving engine "
+                        "prefills the whole prompt (the method then selects from the first answer token)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--out", type=Path, required=True, help="run directory (rows.jsonl is appended to: resumable)")
@@ -78,7 +83,8 @@ def run(args) -> int:
     task_opts = {k: getattr(args, k) for k in TASK_OPTIONS if getattr(args, k) is not None}
     cfg = EvalConfig(model=args.model, budgets=args.budgets, methods=args.methods, dtype=args.dtype,
                      device=args.device, compaction_max_queries=args.compaction_max_queries,
-                     compaction_self_study_tokens=args.compaction_self_study_tokens, **task_opts)
+                     compaction_self_study_tokens=args.compaction_self_study_tokens, question=args.question,
+                     **task_opts)
     summary = run_eval(cfg, args.out)
     print((args.out / "results.md").read_text().split("\n\nPer task")[0])
     print(f"\n{summary['n_rows']} rows in {args.out / 'rows.jsonl'}; summary: {args.out / 'summary.json'}")
@@ -93,7 +99,7 @@ def _run_records(args) -> int:
         raise ValueError(f"--records brings its own prompts: drop {', '.join(given)}")
     cfg = RecordsConfig(records=args.records, model=args.model, budgets=args.budgets, methods=args.methods,
                         dtype=args.dtype, device=args.device, compaction_max_queries=args.compaction_max_queries,
-                        compaction_self_study_tokens=args.compaction_self_study_tokens)
+                        compaction_self_study_tokens=args.compaction_self_study_tokens, question=args.question)
     summary = run_records(cfg, args.out)
     print((args.out / "results.md").read_text().split("\n\nPer task")[0])
     print(f"\n{summary['n_rows']} rows in {args.out / 'rows.jsonl'}; summary: {args.out / 'summary.json'}")

@@ -13,12 +13,18 @@ from kvlocks.config_io import ConfigIO, check_int
 from kvlocks.config import LocksConfig
 
 
+QUESTION_READS = ("method", "dense")
+
+
 @dataclass(frozen=True, kw_only=True)
 class GridSettings(ConfigIO):
     """``methods``: ``full``, selectors (run once per budget) and compactions ``NAME@RATIO`` (once
     per record; :mod:`kvlocks_lab.eval.methods`), canonicalised. ``compaction_max_queries`` and
     ``compaction_self_study_tokens``: reference queries per KV head, and greedy tokens per
-    self-study prompt, of every compaction method."""
+    self-study prompt, of every compaction method. ``question``: how a record's question (the
+    tokens after the context) is read: ``"method"`` decodes it through the method, selection
+    included; ``"dense"`` reads it with full attention, as a serving engine prefills the whole
+    prompt, and the method selects from the first answer token on."""
 
     model: str = "smollm2-135m"
     budgets: tuple[int, ...] = (64, 128, 256, 512, 1024)
@@ -30,6 +36,7 @@ class GridSettings(ConfigIO):
     combine: str = "mean_share"
     compaction_max_queries: int = 4096
     compaction_self_study_tokens: int = 32
+    question: str = "method"
 
     def _check_methods(self) -> None:
         from kvlocks_lab.eval.methods import parse_methods
@@ -48,6 +55,9 @@ class GridSettings(ConfigIO):
             self.locks_config(b)
         check_int(name, "compaction_max_queries", self.compaction_max_queries, 1)
         check_int(name, "compaction_self_study_tokens", self.compaction_self_study_tokens, 0)
+        if self.question not in QUESTION_READS:
+            raise ValueError(f"{name}.question={self.question!r}: allowed {QUESTION_READS} (the question decoded "
+                             "through the method, or read with full attention as a serving engine prefills it)")
 
     def locks_config(self, budget: int) -> LocksConfig:
         return LocksConfig(budget=budget, rank=self.rank, basis_bits=self.basis_bits, combine=self.combine)

@@ -121,7 +121,8 @@ def run_records(cfg: RecordsConfig, out: Path, *, records=None, scorers: dict | 
 
     kw = {"compaction": CompactionSettings(max_queries=cfg.compaction_max_queries,
                                            self_study_tokens=cfg.compaction_self_study_tokens),
-          "cache_dir": out / "compacted", "reference_dir": out / "reference", "scorer": _scorer(scorers)}
+          "cache_dir": out / "compacted", "reference_dir": out / "reference", "scorer": _scorer(scorers),
+          "question": cfg.question}
     commit = git_commit()
     with rows_path.open("a") as fh:
         def write(row):

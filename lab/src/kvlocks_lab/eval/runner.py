@@ -17,6 +17,7 @@ is already in the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -77,6 +78,20 @@ def _answer(model, cache, logits, max_new: int, eos: set[int], ref_tokens: list[
     return tokens, logps
 
 
+@contextlib.contextmanager
+def read_densely(cache, on: bool):
+    """While open, a selector's cache reads every page (its selector set aside), when ``on``."""
+    selector = getattr(cache, "selector", None)
+    if not on or selector is None:
+        yield
+        return
+    cache.selector = None
+    try:
+        yield
+    finally:
+        cache.selector = selector
+
+
 def todo_of(record, methods, budgets, done: dict) -> list:
     """``(MethodSpec, budget)`` pairs of ``record`` not yet in ``done``, ``full`` first."""
     specs = parse_methods(methods)
@@ -127,7 +142,7 @@ def full_reference(model, shared, decode, record, eos: set[int], reference_dir: 
 def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConfig, eos: set[int],
                done: dict, write, *, compaction: CompactionSettings | None = None,
                cache_dir: Path | None = None, progress=None, scorer=None,
-               reference_dir: Path | None = None) -> None:
+               reference_dir: Path | None = None, question: str = "method") -> None:
     """Decode one record with every method x budget not yet in ``done``; ``write(row)`` each.
 
     ``methods`` are ``--methods`` spellings (:mod:`kvlocks_lab.eval.methods`); ``compaction`` and
@@ -135,6 +150,8 @@ def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConf
     ``scorer(record, text) -> dict`` gives the score fields (default: the task's
     :func:`~kvlocks_lab.eval.tasks.score`); ``reference_dir`` keeps ``full``'s answer and
     log-probs (:func:`full_reference`), so ``full`` is decoded once per record across runs.
+    ``question="dense"`` reads the question with full attention on every method's cache
+    (:func:`read_densely`; :class:`~kvlocks_lab.eval.grid.GridSettings`).
     """
     todo = todo_of(record, methods, budgets, done)
     if not todo:
@@ -146,7 +163,7 @@ def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConf
 
     def decode(opened):
         logits = shared.logits
-        with opened.context():
+        with opened.context(), read_densely(opened.cache, question == "dense"):
             for t in suffix:
                 logits = step(model, opened.cache, t)
         return logits
@@ -171,7 +188,7 @@ def run_record(model, tok, record: TaskRecord, methods, budgets, base: LocksConf
         row = {
             "task": record.task, "length": record.length, "index": record.index, "seed": record.seed,
             "depth": record.depth, "method": spec.name, "budget": budget,
-            "prompt_tokens": len(record.context_ids) + len(record.suffix_ids),
+            "prompt_tokens": len(record.context_ids) + len(record.suffix_ids), "question": question,
             **getattr(record, "row_fields", {}),
             **scorer(record, text), "prediction": text, "references": record.references,
             "exact_agree": exact_agreement(ref_tokens, tokens), "agree16": prefix_agreement(ref_tokens, tokens, 16),

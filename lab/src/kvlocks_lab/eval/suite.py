@@ -132,7 +132,7 @@ def run_eval(cfg: EvalConfig, out: Path, *, model=None, tok=None, progress: bool
                         run_continuation(model, tok, record, cfg.methods, cfg.budgets, base, done, write, **kw)
                     else:
                         run_record(model, tok, record, cfg.methods, cfg.budgets, base, eos, done, write,
-                                   reference_dir=out / "reference", **kw)
+                                   reference_dir=out / "reference", question=cfg.question, **kw)
                 gc.collect()  # frees the record's caches before the next one
     bar.close()
     rows = [r for r in done.values() if in_grid(r)]
