@@ -112,7 +112,8 @@ def bound_step(dec, keys, blocks, lens, qsl, uniform: bool = True) -> LocksStep:
         store.note_writes(_slots(blocks[r].tolist(), int(lens[r])))
     sparse, _, locks = step_lens(qsl, lens, S, dec.config.pages_per_step)
     return LocksStep(num_reqs=len(lens), uniform_decode=uniform, query_start_loc=qsl, seq_lens=lens,
-                     block_table=blocks.to(torch.int32), sparse=sparse, locks_lens=locks)
+                     block_table=blocks.to(torch.int32), sparse=sparse, locks_lens=locks,
+                     max_seq_len=int(lens.max()), decode_rows=int(((qsl[1:] - qsl[:-1]) == 1).sum()))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -137,6 +138,50 @@ def test_store_tags_catch_rewrites_and_moves(backend):
     raw[1, :, :, :D] += 1.0  # a write the tags never saw: only verification can tell
     st.verify_used(keys, moved, torch.tensor([64], dtype=torch.int32))
     assert int(st.counters[1]) == 1
+
+
+def _summary_fields(st, pages):
+    s = st.summaries
+    return [t[pages] for t in (s.basis, s.basis_scale, s.coef, s.coef_scale, s.centroid, s.centroid_scale)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_async_ensure_builds_what_ensure_builds_without_reading_back(backend, monkeypatch):
+    """The eager path's build (no host sync: a launch over every page up to a host bound on the
+    longest row, valid pages skipped) leaves the summaries and tags :meth:`ensure` leaves; a page two
+    rows share is counted once per row."""
+    raw, kv = _fake_cache(seed=6)
+    keys, _ = split_flash_kv_cache(kv, HKV, D)
+    a, b = (CudaSummaryStore(CFG, NB, S, HKV, D, "cpu", backend=backend, verify=True) for _ in range(2))
+    bt = torch.tensor([[3, 7, 1, 9, 0], [3, 7, 12, 0, 0]], dtype=torch.int32)  # row 1 shares blocks 3 and 7
+    lens = torch.tensor([50, 40], dtype=torch.int32)
+    for st in (a, b):
+        st.note_writes(_slots([3, 7, 1, 9], 50))
+        st.note_writes(_slots([12], 8))
+    assert b.ensure(keys, bt, lens, 50).tolist() == [3, 0]
+    if backend == "triton":  # the kernels' path reads nothing back: any host read fails here
+        for name in ("cpu", "item", "tolist", "nonzero", "__bool__", "__int__"):
+            monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: {_n}"))
+    a.ensure_async(keys, bt, lens, 64)  # a bound above the longest row (50)
+    monkeypatch.undo()
+    pages = [3, 7, 1]
+    assert int(a.async_builds) == 5  # 3 + 2: the shared pages once per row
+    for x, y in zip(_summary_fields(a, pages), _summary_fields(b, pages)):
+        assert torch.equal(x, y)
+    for name in ("built_gen", "built_page", "fingerprints"):
+        assert torch.equal(getattr(a, name)[:NB], getattr(b, name)[:NB]), name
+    a.ensure_async(keys, bt, lens, 64)
+    assert int(a.async_builds) == 5  # every page valid: nothing built
+    raw[7, :, :, :D] += 1.0  # block 7 rewritten (freed and reused): rebuilt, for each row holding it
+    a.note_writes(_slots([7], 16))
+    a.ensure_async(keys, bt, lens, 50)
+    assert int(a.async_builds) == 7
+    assert all(torch.equal(x, y) for x, y in zip(_summary_fields(a, [7]), _summary_fields(
+        type("S", (), {"summaries": _built(keys, [7], backend)})(), [7])))
+    a.check_tags(bt, lens)
+    assert a.counters.tolist()[:3] == [0, 0, 5]
+    a.ensure_async(keys, bt, lens, 0)  # no full page below the bound: no launch
+    assert int(a.async_builds) == 7
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -208,7 +253,24 @@ def test_eager_step_replaces_only_locks_rows(backend):
         ref, _ = _reference_row(raw, blocks[r].tolist(), int(lens[r]), query[t], D ** -0.5)
         torch.testing.assert_close(output[t], ref, atol=2e-5, rtol=2e-5)
     assert torch.equal(output[1:7], before[1:7])  # the short decode row and the prefill chunk: untouched
-    assert dec.store.builds == 6 + 2 + 5 + 8  # every full page of every row, once
+    assert int(dec.store.async_builds) == 6 + 2 + 5 + 8  # every full page of every row, once
+    again = dataclasses.replace(step, max_seq_len=None)  # no host bound: read back, same result
+    dec.run(again, query, keys, values, output, captured=False)
+    assert int(dec.store.async_builds) == 21 and dec.store.builds == 0
+
+
+def test_a_prefill_step_builds_its_pages_and_reads_nothing_back(monkeypatch):
+    """A step without single-token rows (``decode_rows`` 0): the pages it filled are built, no LOCKS
+    row is looked for, and nothing is read back to the host (the kernels' path)."""
+    raw, keys, values, blocks, lens, qsl, dec, step, query, output = _batch("triton")
+    prefill = dataclasses.replace(step, decode_rows=0, sparse=torch.zeros_like(step.sparse))
+    before = output.clone()
+    for name in ("cpu", "item", "tolist", "nonzero", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: {_n}"))
+    dec.run(prefill, query, keys, values, output, captured=False)
+    monkeypatch.undo()
+    assert torch.equal(output, before) and dec.eager_steps == 0  # FlashAttention's rows stand
+    assert int(dec.store.async_builds) == 6 + 2 + 5 + 8
 
 
 @pytest.mark.parametrize("backend", ["torch"])  # Triton: the captured test below
@@ -224,7 +286,7 @@ def test_uniform_decode_step_attends_every_row(backend):
         torch.testing.assert_close(output[r], ref, atol=2e-5, rtol=2e-5)
         chosen.append(pages.shape[-1])
     assert chosen == [4, 3, 4, 4]  # k = 4 pages; the n = 40 row has 3, all attended
-    assert dec.eager_steps == 1 and dec.store.builds == 6 + 2 + 5 + 8  # every full page of every row, once
+    assert dec.eager_steps == 1 and int(dec.store.async_builds) == 6 + 2 + 5 + 8  # every full page of every row, once
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -348,3 +410,20 @@ def test_plan_pool_takes_the_plugins_kernel_options(monkeypatch):
     monkeypatch.setenv(ENV_VAR, json.dumps({"kernels": {"score_kernel": "fast"}}))
     with pytest.raises(ValueError, match="kernels"):
         PlanPool().get(shape, 1)
+
+
+def test_batch_view_reads_the_host_bounds_vllm_keeps():
+    """``max_seq_len`` and ``query_start_loc_cpu`` (host copies in vLLM's metadata) give the step's host
+    bound on the longest row and its single-token rows; a vLLM without them leaves both None."""
+    from types import SimpleNamespace
+
+    from kvlocks.integrations.vllm.cuda.compat import batch_view
+
+    qsl = torch.tensor([0, 1, 9, 10, 10], dtype=torch.int32)  # 3 rows (1, 8, 1 tokens) and padding
+    common = SimpleNamespace(num_reqs=3, num_actual_tokens=10, max_query_len=8, query_start_loc=qsl,
+                             seq_lens=torch.tensor([300, 8, 41, 0], dtype=torch.int32),
+                             block_table_tensor=torch.zeros(4, 20, dtype=torch.int32))
+    bare = batch_view(common)
+    assert bare.max_seq_len is None and bare.decode_rows is None
+    view = batch_view(SimpleNamespace(**vars(common), max_seq_len=300, query_start_loc_cpu=qsl.clone()))
+    assert (view.max_seq_len, view.decode_rows, view.num_reqs) == (300, 2, 3)

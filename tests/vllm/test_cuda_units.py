@@ -110,6 +110,7 @@ def test_batch_view_reads_common_metadata():
     view = cuda_compat.batch_view(common)
     assert (view.num_reqs, view.num_tokens, view.max_query_len, view.causal) == (3, 7, 5, True)
     assert view.block_table.shape == (3, 9) and view.query_start_loc.tolist() == [0, 1, 2, 7]
+    assert (view.max_seq_len, view.decode_rows) == (100, 2)  # host copies: no read-back per layer
     cut = cuda_compat.replace_common(common, seq_lens=torch.tensor([1, 40, 90], dtype=torch.int32))
     assert cut.seq_lens.tolist() == [1, 40, 90] and cut.block_table_tensor is common.block_table_tensor
 

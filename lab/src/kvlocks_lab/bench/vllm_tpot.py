@@ -231,8 +231,8 @@ def _profile_cell(llm, prompts, params, steps: int, backend: str) -> dict:
     tokens, the difference divided by ``steps`` (:func:`~kvlocks_lab.bench.kernel_classes.per_step`),
     so the prompt's remaining tokens and the first token cancel out. ``wall_us_per_step`` is the
     same difference of wall times (profiler overhead included); with LOCKS, ``eager_steps_per_step``
-    counts layer forwards that attended LOCKS rows outside a CUDA graph (0: every step replayed
-    vLLM's full graph)."""
+    counts layer forwards of decode rows outside a CUDA graph (0: every step replayed vLLM's full
+    graph)."""
     import torch
 
     from kvlocks_lab.bench.kernel_classes import kernel_times, per_step, summarize

@@ -70,8 +70,10 @@ _DECODERS: list = []  # weak references, for debug_counters()
 def debug_counters() -> dict:
     """Counters summed over this process's LOCKS layers (one device sync): ``tag_mismatches``,
     ``stale_used`` (with verification), ``pages_checked``, ``locks_rows`` (rows x layers), counted
-    while ``KVLOCKS_VLLM_CHECK`` or ``KVLOCKS_VLLM_VERIFY`` is set; ``eager_builds`` and
-    ``eager_steps`` (layer forwards that attended LOCKS rows outside a CUDA graph) always."""
+    while ``KVLOCKS_VLLM_CHECK`` or ``KVLOCKS_VLLM_VERIFY`` is set; ``eager_builds`` (pages built
+    outside a graph; a page two rows share counts once per row there) and ``eager_steps`` (layer
+    forwards of decode rows outside a CUDA graph: uniform decode, or a mixed batch with LOCKS rows)
+    always."""
     total = dict.fromkeys(COUNTERS, 0)
     total["eager_builds"], total["eager_steps"], total["layers"] = 0, 0, 0
     for ref in _DECODERS:
@@ -80,7 +82,7 @@ def debug_counters() -> dict:
             continue
         for name, v in zip(COUNTERS, dec.store.counters.tolist()):
             total[name] += int(v)
-        total["eager_builds"] += dec.store.builds
+        total["eager_builds"] += dec.store.builds + int(dec.store.async_builds)
         total["eager_steps"] += dec.eager_steps
         total["layers"] += 1
     return total
@@ -343,7 +345,8 @@ class LocksFlashAttentionMetadataBuilder(_StockBuilder):
         metadata = super().build(common_prefix_len, common, fast_build)
         step = LocksStep(num_reqs=b, uniform_decode=view.max_query_len == 1 and view.num_tokens == b,
                          query_start_loc=view.query_start_loc, seq_lens=view.seq_lens, block_table=view.block_table,
-                         sparse=self._sparse[:b], locks_lens=self._locks_lens[:b])
+                         sparse=self._sparse[:b], locks_lens=self._locks_lens[:b], max_seq_len=view.max_seq_len,
+                         decode_rows=view.decode_rows)
         width, dtype = view.block_table.shape[1], self.vllm_config.model_config.dtype
         for shape in {impl.decoder.shape(width, dtype, self.device) for impl in impls}:
             _POOL.prepare(shape, b)

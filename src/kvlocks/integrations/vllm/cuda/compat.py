@@ -193,6 +193,8 @@ class BatchView:
     seq_lens: torch.Tensor  # int32 [R], tokens including this step's
     block_table: torch.Tensor  # int32 [R, max_blocks]
     causal: bool
+    max_seq_len: int | None = None  # host: the longest row, or more (None: this vLLM does not say)
+    decode_rows: int | None = None  # host: rows of one query token (None: no host copy of query_start_loc)
 
 
 def batch_view(common) -> BatchView:
@@ -202,9 +204,15 @@ def batch_view(common) -> BatchView:
         raise VllmCompatError(f"CommonAttentionMetadata lacks {missing} (vLLM {vllm_version()})")
     r = int(common.num_reqs)
     causal = getattr(common, "causal", True)
+    longest = getattr(common, "max_seq_len", None)
+    qsl_cpu = getattr(common, "query_start_loc_cpu", None)
+    decode_rows = None
+    if isinstance(qsl_cpu, torch.Tensor) and qsl_cpu.device.type == "cpu":
+        decode_rows = int(((qsl_cpu[1 : r + 1] - qsl_cpu[:r]) == 1).sum())
     return BatchView(num_reqs=r, num_tokens=int(common.num_actual_tokens), max_query_len=int(common.max_query_len),
                      query_start_loc=common.query_start_loc[: r + 1], seq_lens=common.seq_lens[:r],
-                     block_table=common.block_table_tensor[:r], causal=causal is True)
+                     block_table=common.block_table_tensor[:r], causal=causal is True,
+                     max_seq_len=None if longest is None else int(longest), decode_rows=decode_rows)
 
 
 def replace_common(common, **fields):

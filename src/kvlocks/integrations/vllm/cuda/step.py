@@ -67,6 +67,8 @@ class LocksStep:
     block_table: torch.Tensor  # int32 [B, W]
     sparse: torch.Tensor  # bool [B]
     locks_lens: torch.Tensor  # int32 [B]: seq_len on LOCKS rows, 0 elsewhere
+    max_seq_len: int | None = None  # host: at least the longest row (None: read seq_lens back)
+    decode_rows: int | None = None  # host: rows of one query token, the only ones LOCKS may take (None: unknown)
 
     def with_block_table(self, block_table: torch.Tensor) -> "LocksStep":
         return dataclasses.replace(self, block_table=block_table[: self.num_reqs])
@@ -268,32 +270,41 @@ class LocksDecoder:
                 self._trace_rows(step, query, k_cache, v_cache, sl, plan.pages, *trace)
 
     def _validate(self, step, k_cache):
-        """Outside a graph: build every full page whose summary is missing or stale (host sync) and
-        run the debug checks -> ``(lens_host, built)``."""
+        """Outside a graph: build every full page whose summary is missing or stale and run the
+        debug checks. No host sync where the step carries its longest row (``max_seq_len``) and no
+        trace is kept (:meth:`CudaSummaryStore.ensure_async`); with a trace, ``(lens_host, built)``
+        for it (:meth:`~kvlocks.integrations.vllm.store.TaggedSummaryStore.ensure`), else None."""
         store, b = self.store, step.num_reqs
-        lens_host = step.seq_lens.cpu()
-        longest = int(lens_host.max()) if b else 0
-        built = store.ensure(k_cache, step.block_table, step.seq_lens, longest)
+        lens_host, longest = None, step.max_seq_len
+        if self.trace_path or longest is None:
+            lens_host = step.seq_lens.cpu()
+            longest = int(lens_host.max()) if b else 0
+        trace = None
+        if self.trace_path:
+            trace = (lens_host, store.ensure(k_cache, step.block_table, step.seq_lens, longest))
+        else:
+            store.ensure_async(k_cache, step.block_table, step.seq_lens, longest)
         if self.check:
             store.check_tags(step.block_table, step.locks_lens)
             store.verify_used(k_cache, step.block_table, step.locks_lens,
                               width=max(1, longest // self.config.page_size))
-        return lens_host, built
+        return trace
 
     def _eager_decode(self, step, query, k_cache, v_cache, output) -> None:
         """A uniform decode step outside a graph: make every full page valid, then the captured
         path's launches (which also compiles them before vLLM captures this batch size)."""
-        lens_host, built = self._validate(step, k_cache)
-        if bool(step.sparse.any()):
-            self.eager_steps += 1
-        self._decode(step, query, k_cache, v_cache, output, check=False, create=True,
-                     trace=(lens_host, built) if self.trace_path else None)
+        trace = self._validate(step, k_cache)
+        self.eager_steps += 1
+        self._decode(step, query, k_cache, v_cache, output, check=False, create=True, trace=trace)
 
     def _eager_mixed(self, step, query, k_cache, v_cache, output) -> None:
         """A mixed batch (FlashAttention ran for every row): make every full page valid, then
-        attend the LOCKS rows and overwrite their outputs."""
+        attend the LOCKS rows and overwrite their outputs. A step without single-token rows (a
+        prefill) has no LOCKS row and reads nothing back to the host."""
         store = self.store
-        lens_host, built = self._validate(step, k_cache)
+        trace = self._validate(step, k_cache)
+        if step.decode_rows == 0:
+            return
         rows = step.sparse.cpu().nonzero().flatten()
         if not rows.numel():
             return
@@ -311,7 +322,7 @@ class LocksDecoder:
             output[tok[sl]] = out
             if self.trace_path:
                 ref_pages, ranking = self._reference(q[sl], k_cache, v_cache, bt[sl], lens[sl])
-                self._trace(rows[sl], lens_host, bt[sl, 0], plan.pages, built, ref_pages, ranking)
+                self._trace(rows[sl], *trace, bt[sl, 0], plan.pages, ref_pages, ranking)
 
     def _trace_rows(self, step, query, k_cache, v_cache, sl, pages, lens_host, built) -> None:
         """Trace the LOCKS rows of chunk ``sl`` of a uniform decode step (row r = token r)."""
@@ -322,7 +333,7 @@ class LocksDecoder:
         dev = local.to(query.device)
         q, bt, lens = query[sl][dev], step.block_table[sl][dev], step.seq_lens[sl][dev]
         ref_pages, ranking = self._reference(q, k_cache, v_cache, bt, lens)
-        self._trace(local + sl.start, lens_host, bt[:, 0], pages[dev], built, ref_pages, ranking)
+        self._trace(local + sl.start, lens_host, built, bt[:, 0], pages[dev], ref_pages, ranking)
 
     def _reference(self, q, k_cache, v_cache, block_table, lens):
         """The plan's torch backend (the references, every mode of the config) on the same query,
@@ -337,7 +348,7 @@ class LocksDecoder:
                                     backend="torch")
         return plan.pages, ranking
 
-    def _trace(self, rows, lens_host, block0, pages, built, ref_pages, ranking) -> None:
+    def _trace(self, rows, lens_host, built, block0, pages, ref_pages, ranking) -> None:
         pages, block0, ref_pages, ranking = pages.cpu(), block0.cpu(), ref_pages.cpu(), ranking.cpu()
         s = self.config.page_size
         with open(self.trace_path, "a") as f:

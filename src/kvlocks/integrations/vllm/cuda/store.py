@@ -3,8 +3,10 @@
 page (block_size 16 = page_size) and a block table is the rows' page table. For CUDA tensors the
 tag updates and checks are the Triton kernels below; the decode path never reads tags on the host.
 
-Eager steps (prefill, mixed batches, any step outside a CUDA graph) call :meth:`ensure`: every full
-page of every row whose tags do not match is rebuilt (one host sync). Steps inside a captured graph
+Eager steps (prefill, mixed batches, any step outside a CUDA graph) call :meth:`ensure_async`:
+every full page of every row whose tags do not match is rebuilt, on the device and without a host
+sync (one build launch over the rows' pages up to the step's longest row, the valid ones skipped);
+:meth:`ensure` does the same with a host sync and counts the builds per row (traces). Steps inside a captured graph
 call :meth:`build_new`: the page each row's new token filled is built and tagged, on the device.
 Together they keep every full page of every row valid before scoring; :meth:`check_tags` (debug)
 counts the pages that break it, :meth:`verify_used` (debug) the summaries whose keys changed since
@@ -20,7 +22,7 @@ import triton.language as tl
 from kvlocks.config import LocksConfig
 from kvlocks.integrations.vllm.store import EXTERNAL, TaggedSummaryStore
 from kvlocks.pages import full_pages
-from kvlocks.plan import paged_build_new
+from kvlocks.plan import paged_build, paged_build_new
 
 COUNTERS = ("tag_mismatches", "stale_used", "pages_checked", "locks_rows")
 _BLOCK = 256
@@ -85,6 +87,27 @@ class CudaSummaryStore(TaggedSummaryStore):
                          ignore_tags=ignore_tags)
         self.num_blocks = num_blocks
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
+        self.async_builds = torch.zeros((), dtype=torch.int64, device=self.device)  # ensure_async's builds
+
+    def ensure_async(self, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     max_len: int) -> None:
+        """:meth:`ensure` without a host sync: ``max_len`` (host) bounds the rows' lengths, and the
+        build launch covers every full page of the rows' first ``ceil(max_len / S)`` logical pages,
+        those whose tags match skipped by the kernel. A page two rows share is built by both (the
+        same summary); ``async_builds`` counts (row, page) builds on the device."""
+        width = min(full_pages(max_len, self.config.page_size), block_table.shape[1])
+        if width == 0:
+            return
+        full, pid, logical = self._full(block_table, seq_lens, width)
+        stale = full & ((self.built_page[pid] == -1) if self.ignore_tags else self.invalid(pid, logical))
+        paged_build(k_cache, self.summaries, torch.where(stale, pid, -1).flatten().to(torch.int32), self.config,
+                    backend=self.backend)
+        target = torch.where(stale, pid, self.trash).flatten()  # tags of the pages built; the rest to trash
+        self.built_gen[target] = self.write_gen[target]
+        self.built_page[target] = logical.expand_as(pid).flatten()
+        if self.fingerprints is not None:
+            self.fingerprints[target] = self._hash(k_cache, target.clamp_max(self.num_blocks - 1))
+        self.async_builds += stale.sum()
 
     def note_writes(self, slot_mapping: torch.Tensor) -> None:
         """vLLM wrote K/V at ``slot_mapping [T]`` (int64, -1 = padding): bump those pages' generation."""
