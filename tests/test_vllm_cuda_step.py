@@ -245,7 +245,7 @@ def _batch(backend, captured_lens=None):
 
 
 @pytest.mark.parametrize("backend", ["torch"])  # Triton: the eager step of the next test
-def test_eager_step_replaces_only_locks_rows(backend):
+def test_eager_step_replaces_only_locks_rows(backend, monkeypatch):
     raw, keys, values, blocks, lens, qsl, dec, step, query, output = _batch(backend)
     before = output.clone()
     dec.run(step, query, keys, values, output, captured=False)
@@ -257,6 +257,13 @@ def test_eager_step_replaces_only_locks_rows(backend):
     again = dataclasses.replace(step, max_seq_len=None)  # no host bound: read back, same result
     dec.run(again, query, keys, values, output, captured=False)
     assert int(dec.store.async_builds) == 21 and dec.store.builds == 0
+    import kvlocks.integrations.vllm.cuda.step as step_module
+
+    fresh = _batch(backend)
+    monkeypatch.setattr(step_module, "ASYNC_BUILD_ITEMS", 4 * 9 * HKV - 1)  # 4 rows x 9 pages x Hkv: over it
+    fresh[6].run(fresh[7], fresh[8], fresh[1], fresh[2], fresh[9], captured=False)
+    assert fresh[6].store.builds == 21 and int(fresh[6].store.async_builds) == 0  # stale pages gathered first
+    torch.testing.assert_close(fresh[9], output)
 
 
 def test_a_prefill_step_builds_its_pages_and_reads_nothing_back(monkeypatch):

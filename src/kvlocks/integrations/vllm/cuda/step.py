@@ -37,11 +37,16 @@ from kvlocks.config import KernelOptions, LocksConfig, default_kernel_options
 from kvlocks.integrations.vllm.compat import VllmCompatError
 from kvlocks.integrations.vllm.cuda.store import CudaSummaryStore
 from kvlocks.integrations.vllm.sinks import apply_sinks
+from kvlocks.pages import num_pages
 from kvlocks.plan import DecodePlan, paged_score, sparse_lens, sparse_rows
 
 log = logging.getLogger(__name__)
 
 PLAN_BUDGET_ENV = "KVLOCKS_VLLM_PLAN_GIB"
+# Eager steps whose rows hold at most this many (page, KV head) items build without a host sync, one
+# program per item and most of them skipping (128K tokens x 8 KV heads x 1 row); a larger step (many
+# long rows in a mixed batch) gathers its stale pages on the host first and launches only those.
+ASYNC_BUILD_ITEMS = 1 << 16
 
 
 def step_lens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, page_size: int, k: int, dense_below: int = 0):
@@ -271,17 +276,22 @@ class LocksDecoder:
 
     def _validate(self, step, k_cache):
         """Outside a graph: build every full page whose summary is missing or stale and run the
-        debug checks. No host sync where the step carries its longest row (``max_seq_len``) and no
-        trace is kept (:meth:`CudaSummaryStore.ensure_async`); with a trace, ``(lens_host, built)``
-        for it (:meth:`~kvlocks.integrations.vllm.store.TaggedSummaryStore.ensure`), else None."""
+        debug checks. No host sync where the step carries its longest row (``max_seq_len``), its
+        rows' pages are at most ``ASYNC_BUILD_ITEMS`` (page, head) items and no trace is kept
+        (:meth:`CudaSummaryStore.ensure_async`: one launch over them all, the valid ones skipped);
+        else the stale pages are gathered on the host first
+        (:meth:`~kvlocks.integrations.vllm.store.TaggedSummaryStore.ensure`). Returns
+        ``(lens_host, built)`` for a trace, else None."""
         store, b = self.store, step.num_reqs
         lens_host, longest = None, step.max_seq_len
         if self.trace_path or longest is None:
             lens_host = step.seq_lens.cpu()
             longest = int(lens_host.max()) if b else 0
-        trace = None
+        trace, items = None, b * min(num_pages(longest, self.config.page_size), step.block_table.shape[1]) * self.hkv
         if self.trace_path:
             trace = (lens_host, store.ensure(k_cache, step.block_table, step.seq_lens, longest))
+        elif items > ASYNC_BUILD_ITEMS:
+            store.ensure(k_cache, step.block_table, step.seq_lens, longest)
         else:
             store.ensure_async(k_cache, step.block_table, step.seq_lens, longest)
         if self.check:
