@@ -2,14 +2,16 @@
 ``tiny_models.py``): window layers stay FlashAttention, global layers run LOCKS, with their
 summaries only; learned sinks enter LOCKS's softmax exactly. At budget >= context LOCKS gives
 FLASH_ATTN's greedy tokens up to near-ties; at a small budget the LOCKS rows run with valid tags;
+the kernels select what the PyTorch reference selects on vLLM's own tensors (an eager, traced run);
 strict mode accepts the window layers; the one layer table counts each kind."""
 
 from __future__ import annotations
 
 import random
 
-from gpu_helpers import run_engine, save
+from gpu_helpers import read_trace, run_engine, save
 from test_gpu_budget import NEAR_TIE, first_differences
+from test_gpu_selection import KERNEL_TOL, kernel_vs_reference
 from tiny_models import VOCAB, gemma3_like, gpt_oss_like
 
 from kvlocks.config import LocksConfig
@@ -37,9 +39,15 @@ def _compare(tmp_path, name: str, model: str, n_layers: int, n_locks: int) -> di
                        f"{name}_locks_dense", env={"KVLOCKS_VLLM_CHECK": "1"})
     sparse = run_engine({**spec, "locks": LocksConfig(budget=256).to_json(), "strict": True}, tmp_path,
                         f"{name}_locks_256", env={"KVLOCKS_VLLM_CHECK": "1"})
+    trace = tmp_path / f"{name}_trace.jsonl"  # eager: every LOCKS row's pages and the reference's
+    run_engine({**spec, "llm": {**LLM, "enforce_eager": True}, "batches": [[2]], "max_tokens": 4,
+                "locks": LocksConfig(budget=256).to_json()}, tmp_path, f"{name}_locks_256_traced",
+               env={"KVLOCKS_VLLM_TRACE": str(trace)})
+    recs = read_trace(trace)
     diffs = first_differences(stock["tokens"], dense["tokens"], stock["logprobs"], dense["logprobs"])
     res = {"stock": stock, "dense": dense, "sparse": sparse, "differences": diffs,
-           "table": _table((tmp_path / f"{name}_locks_256.log").read_text())}
+           "table": _table((tmp_path / f"{name}_locks_256.log").read_text()),
+           "kernel_vs_reference": kernel_vs_reference(recs), "traced_layers": sorted({r["layer"] for r in recs})}
     save(tmp_path, f"{name}.json", res)
     for d in diffs:
         assert d["margin_a"] is not None and d["margin_b"] is not None and \
@@ -49,6 +57,9 @@ def _compare(tmp_path, name: str, model: str, n_layers: int, n_locks: int) -> di
     assert c["layers"] == n_locks and c["locks_rows"] == 0 and c["tag_mismatches"] == 0, c  # summaries: global only
     c = sparse["counters"]
     assert c["layers"] == n_locks and c["locks_rows"] > 0 and c["tag_mismatches"] == 0, c
+    kref = res["kernel_vs_reference"]  # the 2,300-token prompt, 3 decode steps traced, global layers only
+    assert len(res["traced_layers"]) == n_locks and kref["head_lists"] > 0, res["traced_layers"]
+    assert kref["max_gap"] <= KERNEL_TOL and kref["identical"] >= 0.99 * kref["head_lists"], kref
     return res
 
 
