@@ -3,20 +3,15 @@ fails started again up to --retries times, the deadline respected."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "eval_grid.py"
+from script_module import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("eval_grid_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu/eval_grid.py", "eval_grid_script")
 
 
 def test_failed_jobs_start_again_up_to_the_retries(tmp_path):

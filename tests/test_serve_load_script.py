@@ -3,7 +3,6 @@ tokens against its run alone (equal, a tie flip, wrong), and the result folder p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -11,21 +10,17 @@ import subprocess
 import sys
 import tarfile
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from kvlocks_lab.bench.serve_load import _add_logprobs, compare_tokens, pack_outputs, preempted_requests, process_tree
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "serve_load.py"
+from script_module import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("serve_load_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu/serve_load.py", "serve_load_script")
 
 
 def _row(error=None, finish="length", status=None, tokens=()):

@@ -126,17 +126,27 @@ class TaggedSummaryStore:
 
     # ------------------------------------------------------------ builds (host sync allowed)
 
+    def stale_pages(self, table: torch.Tensor, lens: torch.Tensor, max_len: int):
+        """``(stale bool [B, W], pid int64 [B, W], logical int32 [1, W])`` over the rows' first ``W``
+        logical pages (``W``: the full pages of ``max_len`` tokens, host; at most the table's width):
+        full pages whose summary is not valid (with ``ignore_tags``: never built); None when
+        ``W`` is 0. No host sync."""
+        width = min(full_pages(max_len, self.config.page_size), table.shape[1])
+        if width == 0:
+            return None
+        full, pid, logical = self._full(table, lens, width)
+        return full & ((self.built_page[pid] == -1) if self.ignore_tags else self.invalid(pid, logical)), pid, logical
+
     def ensure(self, keys, table: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
         """Rebuild every full page of every row whose summary is not valid. ``table [B, W]``: the
         rows' physical page ids by logical page; ``lens [B]``: their tokens; ``max_len``: the
         longest row (host int). Returns the pages built per row (int64 ``[B]``, host; a page two
         rows share is built once, counted at the first)."""
         b = lens.shape[0]
-        width = min(full_pages(max_len, self.config.page_size), table.shape[1])
-        if width == 0:
+        found = self.stale_pages(table, lens, max_len)
+        if found is None:
             return torch.zeros(b, dtype=torch.int64)
-        full, pid, logical = self._full(table, lens, width)
-        stale = full & ((self.built_page[pid] == -1) if self.ignore_tags else self.invalid(pid, logical))
+        stale, pid, _ = found
         idx = stale.nonzero()  # [m, 2] (row, logical page): the host sync
         if not idx.shape[0]:
             return torch.zeros(b, dtype=torch.int64)

@@ -95,11 +95,10 @@ class CudaSummaryStore(TaggedSummaryStore):
         build launch covers every full page of the rows' first ``ceil(max_len / S)`` logical pages,
         those whose tags match skipped by the kernel. A page two rows share is built by both (the
         same summary); ``async_builds`` counts (row, page) builds on the device."""
-        width = min(full_pages(max_len, self.config.page_size), block_table.shape[1])
-        if width == 0:
+        found = self.stale_pages(block_table, seq_lens, max_len)
+        if found is None:
             return
-        full, pid, logical = self._full(block_table, seq_lens, width)
-        stale = full & ((self.built_page[pid] == -1) if self.ignore_tags else self.invalid(pid, logical))
+        stale, pid, logical = found
         paged_build(k_cache, self.summaries, torch.where(stale, pid, -1).flatten().to(torch.int32), self.config,
                     backend=self.backend)
         target = torch.where(stale, pid, self.trash).flatten()  # tags of the pages built; the rest to trash
