@@ -310,7 +310,7 @@ class LocksDecoder:
     def _eager_mixed(self, step, query, k_cache, v_cache, output) -> None:
         """A mixed batch (FlashAttention ran for every row): make every full page valid, then
         attend the LOCKS rows and overwrite their outputs. A step without single-token rows (a
-        prefill) has no LOCKS row and reads nothing back to the host."""
+        prefill) has no LOCKS row: nothing is read back beyond what :meth:`_validate` reads."""
         store = self.store
         trace = self._validate(step, k_cache)
         if step.decode_rows == 0:
